@@ -1,0 +1,185 @@
+"""The checkpoint manifest: what makes a checkpoint directory trustworthy.
+
+A checkpoint of step s is written into ``step-<s>.partial``; once every rank has saved,
+rank 0 hashes every file, writes ``manifest.json`` (step, world size, training hash,
+size and SHA-256 of every file) last, and renames the directory to ``step-<s>``. A
+directory is *verified* only if its manifest parses and every listed file has the
+recorded size and digest, so a crash at any point leaves the previous checkpoint the
+newest verified one. No torch here: this module is shared by workers and operators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainflow.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A verified checkpoint: where it is and what it holds."""
+
+    step: int
+    path: str
+    world_size: int
+    training_hash: str
+    manifest_sha256: str
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}.partial"
+
+
+def sha256_file(path: Path, chunk: int = 4 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(root: Path, step: int, *, world_size: int, training_hash: str,
+           extra: dict | None = None) -> CheckpointRef:
+    """Seal ``step-<step>.partial``: write the manifest last, then rename atomically.
+
+    Raises:
+        CheckpointError: the partial directory is missing or empty.
+    """
+    src = partial_dir(root, step)
+    files = sorted(p for p in src.rglob("*") if p.is_file() and p.name != MANIFEST)
+    if not files:
+        raise CheckpointError(f"nothing to commit in {src}")
+    entries = {
+        p.relative_to(src).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in files
+    }
+    manifest = {
+        "format": FORMAT, "step": step, "world_size": world_size,
+        "training_hash": training_hash, "created": time.time(), "files": entries,
+        **({"extra": extra} if extra else {}),
+    }
+    tmp = src / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, src / MANIFEST)
+    _fsync_dir(src)
+    dst = step_dir(root, step)
+    if dst.exists():  # an unverifiable leftover of an earlier attempt at the same step
+        shutil.rmtree(dst)
+    os.rename(src, dst)
+    _fsync_dir(Path(root))
+    ref = verify(dst)
+    if ref is None:
+        raise CheckpointError(f"checkpoint {dst} does not verify right after commit")
+    return ref
+
+
+def read_manifest(path: Path) -> dict | None:
+    try:
+        with open(Path(path) / MANIFEST) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def verify(path: Path, *, training_hash: str | None = None,
+           world_size: int | None = None) -> CheckpointRef | None:
+    """Return a ``CheckpointRef`` if ``path`` is a complete, intact checkpoint, else None.
+
+    The reason a checkpoint is rejected is logged as a warning.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        log.warning("checkpoint %s skipped: no readable manifest", path)
+        return None
+    if training_hash is not None and manifest.get("training_hash") != training_hash:
+        log.warning("checkpoint %s skipped: training hash %s != %s", path,
+                    manifest.get("training_hash"), training_hash)
+        return None
+    if world_size is not None and manifest.get("world_size") != world_size:
+        log.warning("checkpoint %s skipped: world size %s != %s", path,
+                    manifest.get("world_size"), world_size)
+        return None
+    total = 0
+    for rel, meta in manifest.get("files", {}).items():
+        f = path / rel
+        if ".." in Path(rel).parts or not f.is_file():
+            log.warning("checkpoint %s skipped: file %s missing", path, rel)
+            return None
+        if f.stat().st_size != meta["size"] or sha256_file(f) != meta["sha256"]:
+            log.warning("checkpoint %s skipped: file %s does not match its sha256", path, rel)
+            return None
+        total += meta["size"]
+    digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+    return CheckpointRef(step=int(manifest["step"]), path=str(path),
+                         world_size=int(manifest["world_size"]),
+                         training_hash=str(manifest["training_hash"]),
+                         manifest_sha256=digest, bytes=total)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint directories under ``root``, newest first (unverified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def newest_verified(root: Path, *, training_hash: str | None = None,
+                    world_size: int | None = None) -> CheckpointRef | None:
+    """The newest checkpoint under ``root`` that verifies; corrupt ones are skipped."""
+    for _, path in list_checkpoints(root):
+        ref = verify(path, training_hash=training_hash, world_size=world_size)
+        if ref is not None:
+            return ref
+    return None
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Delete all but the ``keep`` newest committed checkpoints and stale partials.
+
+    Only call this when no save is in flight (rank 0 after a commit, or after training).
+    """
+    removed = []
+    for _, path in list_checkpoints(root)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    for path in Path(root).glob("step-*.partial"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed

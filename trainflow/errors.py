@@ -1,0 +1,61 @@
+"""The core error hierarchy. Operators translate these at the Airflow edge.
+
+``SpecError`` (a ``ValueError``) is a user or configuration error and is never retried;
+the others are infrastructure errors that a retry may heal. All of them pickle, so they
+can cross process boundaries.
+"""
+
+from __future__ import annotations
+
+
+class SpecError(ValueError):
+    """Invalid training spec: names the field, the value and the fix."""
+
+    def __init__(self, field: str, value: object, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.fix = fix
+        super().__init__(field, value, fix)
+
+    def __str__(self) -> str:
+        return f"invalid {self.field}={self.value!r}: {self.fix}"
+
+
+class TrainingError(RuntimeError):
+    """Base of the infrastructure errors raised while a run trains."""
+
+
+class LaunchError(TrainingError):
+    """The node agent or its workers could not be started or exited abnormally."""
+
+
+class AdmissionError(TrainingError):
+    """The run's gang could not be admitted (not enough free capacity right now)."""
+
+
+class RendezvousError(TrainingError):
+    """The gang could not form its rendezvous."""
+
+
+class HeartbeatTimeoutError(TrainingError):
+    """A rank stopped reporting training progress."""
+
+
+class WorkerFailedError(TrainingError):
+    """A worker rank failed; ``rank`` is the first (root-cause) failure."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.message = message
+        super().__init__(rank, message)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed: {self.message}"
+
+
+class UserCodeError(WorkerFailedError):
+    """A worker failed in the workload's own code: retrying cannot help."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint could not be written, read or verified."""

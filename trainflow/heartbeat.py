@@ -1,0 +1,136 @@
+"""Training-progress heartbeats and the pure decision on them.
+
+Each rank writes ``heartbeats/rank-<r>.json`` (atomically) with its step, loss and
+state; ``classify`` turns the set of heartbeats into a verdict with the numbers behind
+it. Progress, not process liveness, is what counts: a rank whose step has not advanced
+for ``heartbeat_timeout`` seconds is stalled even if its process is alive.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainflow.workspace import write_json_atomic
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    TRAINING = "training"
+    CHECKPOINTING = "checkpointing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Verdict(str, enum.Enum):
+    """State machine of a run seen through its heartbeats.
+
+    WAITING → HEALTHY → COMPLETE; from WAITING or HEALTHY a run may go to STALLED
+    (a rank stopped progressing) or STARTUP_TIMEOUT (a rank never reported).
+    """
+
+    WAITING = "waiting"
+    HEALTHY = "healthy"
+    COMPLETE = "complete"
+    STALLED = "stalled"
+    STARTUP_TIMEOUT = "startup_timeout"
+
+
+@dataclass(frozen=True)
+class HeartbeatPolicy:
+    timeout: float
+    startup_timeout: float
+
+
+@dataclass(frozen=True)
+class Classification:
+    verdict: Verdict
+    message: str
+    ranks: tuple[int, ...] = ()
+    steps: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.verdict in (Verdict.COMPLETE, Verdict.STALLED, Verdict.STARTUP_TIMEOUT)
+
+
+class HeartbeatWriter:
+    """Writes one rank's heartbeat, at most once per ``interval`` unless the state changes."""
+
+    def __init__(self, directory: Path, *, rank: int, node: int, interval: float) -> None:
+        self.path = Path(directory) / f"rank-{rank:05d}.json"
+        self.rank, self.node, self.interval = rank, node, interval
+        self._last_write = 0.0
+        self._last_state: RankState | None = None
+        self._progress_at = time.time()
+        self._step = -1
+
+    def beat(self, *, step: int, total: int, state: RankState, force: bool = False, **extra) -> None:
+        now = time.time()
+        if step != self._step:
+            self._step, self._progress_at = step, now
+        if not force and state == self._last_state and now - self._last_write < self.interval:
+            return
+        write_json_atomic(self.path, {
+            "rank": self.rank, "node": self.node, "pid": os.getpid(), "step": step,
+            "total": total, "state": state.value, "time": now, "progress_time": self._progress_at,
+            **extra,
+        })
+        self._last_write, self._last_state = now, state
+
+
+def read_all(directory: Path) -> dict[int, dict]:
+    """All ranks' latest heartbeats; unreadable files are skipped (a writer may race)."""
+    out: dict[int, dict] = {}
+    d = Path(directory)
+    if not d.is_dir():
+        return out
+    for p in d.glob("rank-*.json"):
+        try:
+            beat = json.loads(p.read_text())
+            out[int(beat["rank"])] = beat
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at: float,
+             policy: HeartbeatPolicy) -> Classification:
+    """Decide what the heartbeats of a run say. Pure: time is a parameter.
+
+    Args:
+        beats: rank → latest heartbeat (``read_all``).
+        now: the current wall-clock time.
+        world_size: ranks expected.
+        started_at: when watching began (start of the startup window).
+        policy: the timeouts.
+    """
+    steps = {r: int(b.get("step", -1)) for r, b in beats.items()}
+    missing = sorted(set(range(world_size)) - set(beats))
+    if missing:
+        waited = now - started_at
+        if waited > policy.startup_timeout:
+            return Classification(Verdict.STARTUP_TIMEOUT,
+                                  f"ranks {missing} sent no heartbeat in {waited:.1f}s "
+                                  f"(startup timeout {policy.startup_timeout}s)", tuple(missing), steps)
+        return Classification(Verdict.WAITING, f"waiting for ranks {missing}", tuple(missing), steps)
+    if all(b.get("state") == RankState.DONE.value for b in beats.values()):
+        return Classification(Verdict.COMPLETE, f"all {world_size} ranks done", (), steps)
+    stalled = []
+    for r, b in sorted(beats.items()):
+        if b.get("state") == RankState.DONE.value:
+            continue
+        # progress_time: last time the step advanced; a restarted rank starts a new window
+        since = max(float(b.get("progress_time", b.get("time", 0))), started_at)
+        if now - since > policy.timeout:
+            stalled.append((r, now - since))
+    if stalled:
+        desc = ", ".join(f"rank {r} silent/stuck for {age:.1f}s at step {steps[r]}" for r, age in stalled)
+        return Classification(Verdict.STALLED, f"{desc} (timeout {policy.timeout}s)",
+                              tuple(r for r, _ in stalled), steps)
+    return Classification(Verdict.HEALTHY, f"{world_size} ranks progressing, "
+                          f"steps {min(steps.values())}..{max(steps.values())}", (), steps)

@@ -1,0 +1,1 @@
+"""Launching a run's node agents: the agent itself and a local (no-Airflow) launcher."""

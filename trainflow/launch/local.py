@@ -1,0 +1,73 @@
+"""Run a whole gang on this machine without Airflow (tests, benchmarks, ``trainflow train``).
+
+It prepares the workspace exactly as the provision task does and starts one node agent
+per node as a subprocess in its own process session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from trainflow.plan import build_plan
+from trainflow.spec import TrainingSpec
+from trainflow.workspace import write_json_atomic
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def embedded_env() -> dict[str, str]:
+    """Environment for gangs whose nodes all live on this machine (loopback)."""
+    return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+
+
+def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
+            run_id: str = "local", max_restarts: int = 3) -> Path:
+    """Write spec.json and plan.json into ``run_dir``; return the plan's path."""
+    run_dir = Path(run_dir).resolve()
+    for sub in ("checkpoints", "heartbeats", "logs"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(run_dir),
+                      rdzv_host="127.0.0.1", rdzv_port=free_port(), env=embedded_env(),
+                      max_restarts=max_restarts)
+    write_json_atomic(run_dir / "spec.json", spec.to_dict())
+    write_json_atomic(run_dir / "plan.json", plan)
+    return run_dir / "plan.json"
+
+
+def start_agents(plan_path: Path, nodes: int, *, log_dir: Path | None = None) -> list[subprocess.Popen]:
+    procs = []
+    for node in range(nodes):
+        out = open(log_dir / f"agent-{node}.log", "ab") if log_dir else None
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "trainflow.launch.agent", "--plan", str(plan_path), "--node", str(node)],
+            stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True))
+    return procs
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the agent's whole process session (its workers run in it too)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_local(spec: TrainingSpec, run_dir: Path, *, timeout: float = 1800) -> list[int]:
+    """Train ``spec`` on this machine; return the agents' exit codes."""
+    plan_path = prepare(spec, run_dir)
+    procs = start_agents(plan_path, spec.nodes, log_dir=Path(run_dir) / "logs")
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)

@@ -1,0 +1,59 @@
+"""``build_plan``: the pure description of how a run is laid out over nodes.
+
+No I/O and no clock: the port and host of the rendezvous are parameters, so a plan can
+be built (and dry-run, and tested) anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from trainflow.chips.registry import queue_for
+from trainflow.spec import TrainingSpec
+
+
+def rendezvous_id(tenant: str, dag_id: str, run_id: str, attempt: int = 0) -> str:
+    digest = hashlib.sha256(f"{tenant}/{dag_id}/{run_id}".encode()).hexdigest()[:16]
+    return f"tf-{digest}-{attempt}"
+
+
+def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
+               rdzv_host: str, rdzv_port: int, env: dict[str, str] | None = None,
+               max_restarts: int = 3) -> dict[str, Any]:
+    """Lay ``spec`` out over its nodes.
+
+    Args:
+        spec: the validated training spec.
+        dag_id, run_id: the Airflow run this plan belongs to.
+        run_dir: the run's workspace directory.
+        rdzv_host, rdzv_port: where the gang's rendezvous store listens.
+        env: extra environment for the node agents and workers (e.g. GLOO_SOCKET_IFNAME).
+        max_restarts: in-node worker restarts the agent may do before it fails.
+
+    Returns:
+        A JSON-serialisable plan; ``plan["nodes"][i]`` describes node i.
+    """
+    queue = queue_for(spec.chip)
+    k = spec.nproc_per_node
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "tenant": spec.tenant,
+        "run_dir": run_dir,
+        "spec": spec.to_dict(),
+        "world_size": spec.world_size,
+        "queue": queue,
+        "max_restarts": max_restarts,
+        "env": dict(env or {}),
+        "rendezvous": {
+            "backend": "c10d",
+            "endpoint": f"{rdzv_host}:{rdzv_port}",
+            "id": rendezvous_id(spec.tenant, dag_id, run_id),
+            "timeout": int(spec.startup_timeout),
+        },
+        "nodes": [
+            {"node": i, "queue": queue, "ranks": list(range(i * k, (i + 1) * k))}
+            for i in range(spec.nodes)
+        ],
+    }

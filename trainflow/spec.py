@@ -1,0 +1,202 @@
+"""``TrainingSpec``: the one typed description of a training run.
+
+The spec is validated in one place (``__post_init__``). The Airflow trigger form and the
+REST ``conf`` are validated by the same rules because the DAG's ``Param``s are generated
+from ``param_schema()``; the node agent and the workers parse the same spec back with
+``TrainingSpec.from_json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+from trainflow.chips.registry import FAMILIES
+from trainflow.errors import SpecError
+
+BUILTIN_WORKLOADS = ("digits", "tinylm")
+STRATEGIES = ("ddp", "fsdp")
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+WORKLOAD_PATTERN = r"^([a-z0-9_]+|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
+STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*)$"
+
+# Fields whose values change the trained weights; the checkpoint manifest records their
+# hash so a run never resumes from another run's state. World size is checked separately.
+_TRAINING_FIELDS = ("workload", "chip", "strategy", "steps", "batch_size", "lr", "seed")
+
+
+def _meta(title: str, description: str, **schema: Any) -> dict[str, Any]:
+    return {"title": title, "description": description, "schema": schema}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    """A training run. Every field is validated in ``__post_init__``."""
+
+    workload: str = field(default="digits", metadata=_meta(
+        "Workload",
+        "Built-in workload (digits, tinylm) or the import path of your own, "
+        "'package.module:build', returning model, datasets, loss and evaluation.",
+        pattern=WORKLOAD_PATTERN, maxLength=200))
+    nodes: int = field(default=2, metadata=_meta(
+        "Nodes", "Number of nodes (one shard_train task each), admitted all-or-nothing.",
+        minimum=1, maximum=64))
+    nproc_per_node: int = field(default=1, metadata=_meta(
+        "Processes per node", "Worker processes (ranks) per node, usually one per chip.",
+        minimum=1, maximum=16))
+    chip: str = field(default="cpu", metadata=_meta(
+        "Chip family", "Accelerator family; decides the queue, device and backend.",
+        enum=sorted(FAMILIES)))
+    strategy: str = field(default="ddp", metadata=_meta(
+        "Strategy", "ddp (replicated weights) or fsdp (FSDP2 fully_shard).", enum=list(STRATEGIES)))
+    steps: int = field(default=300, metadata=_meta(
+        "Steps", "Optimizer steps to train.", minimum=1, maximum=10_000_000))
+    batch_size: int = field(default=32, metadata=_meta(
+        "Batch size per rank", "Samples per rank per step; global batch = this × world size.",
+        minimum=1, maximum=65_536))
+    lr: float = field(default=0.003, metadata=_meta(
+        "Learning rate", "Peak AdamW learning rate (linear warm-up, cosine decay).",
+        exclusiveMinimum=0, maximum=10))
+    seed: int = field(default=0, metadata=_meta(
+        "Seed", "Seed of weights, data order and every rank's RNG; same seed and world size "
+        "give bit-identical weights.", minimum=0, maximum=2**31 - 1))
+    checkpoint_interval: int = field(default=50, metadata=_meta(
+        "Checkpoint interval", "Save a sharded checkpoint every this many steps (≤ steps).",
+        minimum=1, maximum=10_000_000))
+    keep_last: int = field(default=3, metadata=_meta(
+        "Keep last K", "Verified checkpoints kept; older ones are pruned.", minimum=1, maximum=100))
+    heartbeat_interval: float = field(default=1.0, metadata=_meta(
+        "Heartbeat interval (s)", "How often each rank reports its training progress.",
+        minimum=0.1, maximum=60))
+    heartbeat_timeout: float = field(default=60.0, metadata=_meta(
+        "Heartbeat timeout (s)", "A rank silent this long while training is a hang.",
+        minimum=1, maximum=3600))
+    startup_timeout: float = field(default=300.0, metadata=_meta(
+        "Startup timeout (s)", "Longest wait for the first heartbeat of every rank.",
+        minimum=5, maximum=7200))
+    retries: int = field(default=2, metadata=_meta(
+        "Retries", "Airflow retries of a node task after an infrastructure failure.",
+        minimum=0, maximum=10))
+    store_uri: str = field(default="", metadata=_meta(
+        "Checkpoint store", "Durable checkpoint store: empty for the run's workspace, or "
+        "file:///absolute/dir.", pattern=STORE_PATTERN, maxLength=500))
+    tenant: str = field(default="default", metadata=_meta(
+        "Tenant", "Owner of the run; lower-case letters, digits and '-'.",
+        pattern=NAME_PATTERN, maxLength=63))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
+        if self.workload in BUILTIN_WORKLOADS or ":" in self.workload:
+            pass  # a custom import path is resolved (and checked) when the worker loads it
+        else:
+            raise SpecError("workload", self.workload,
+                            f"use one of {', '.join(BUILTIN_WORKLOADS)} or 'package.module:build'")
+        if self.checkpoint_interval > self.steps:
+            raise SpecError("checkpoint_interval", self.checkpoint_interval,
+                            f"must be at most steps ({self.steps}); lower it or raise steps")
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise SpecError("heartbeat_timeout", self.heartbeat_timeout,
+                            f"must be at least 2 × heartbeat_interval ({self.heartbeat_interval})")
+        if ".." in self.store_uri:
+            raise SpecError("store_uri", self.store_uri, "must not contain '..'")
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "TrainingSpec":
+        """Build a spec from a mapping (REST conf, DAG params); unknown keys are refused."""
+        if not isinstance(data, Mapping):
+            raise SpecError("conf", data, "must be a JSON object of spec fields")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(unknown[0], data[unknown[0]],
+                            f"unknown field; known fields: {', '.join(sorted(known))}")
+        values = dict(data)
+        for f in fields(cls):  # JSON has one number type: accept 3.0 for 3, 3 for 3.0
+            v = values.get(f.name)
+            if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
+                values[f.name] = float(v)
+            elif f.type == "int" and isinstance(v, float) and v.is_integer():
+                values[f.name] = int(v)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainingSpec":
+        return cls.from_mapping(json.loads(text))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def training_hash(self) -> str:
+        """Hash of the fields that decide the trained weights (checkpoint compatibility)."""
+        payload = json.dumps({k: getattr(self, k) for k in _TRAINING_FIELDS}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+_JSON_TYPES = {"int": "integer", "float": "number", "str": "string"}
+
+
+def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> None:
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(name, value, "must be an integer")
+    elif typ == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SpecError(name, value, "must be a finite number")
+    elif typ == "str":
+        if not isinstance(value, str):
+            raise SpecError(name, value, "must be a string")
+        if "\x00" in value:
+            raise SpecError(name, value, "must not contain NUL bytes")
+    if "minimum" in schema and value < schema["minimum"]:
+        raise SpecError(name, value, f"must be ≥ {schema['minimum']}")
+    if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        raise SpecError(name, value, f"must be > {schema['exclusiveMinimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise SpecError(name, value, f"must be ≤ {schema['maximum']}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise SpecError(name, value, f"must be one of {', '.join(map(str, schema['enum']))}")
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        raise SpecError(name, value, f"must be at most {schema['maxLength']} characters")
+    if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
+        raise SpecError(name, value, f"must match {schema['pattern']}")
+
+
+def param_schema(defaults: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """JSON-schema keyword arguments for one Airflow ``Param`` per spec field.
+
+    Args:
+        defaults: per-DAG defaults overriding the dataclass defaults (validated).
+
+    Returns:
+        ``{field: {"default": ..., "type": ..., "title": ..., "description": ..., ...}}``.
+    """
+    base = TrainingSpec.from_mapping(dict(defaults or {}))
+    out: dict[str, dict[str, Any]] = {}
+    for f in fields(TrainingSpec):
+        meta = f.metadata
+        out[f.name] = {
+            "default": getattr(base, f.name),
+            "type": _JSON_TYPES[f.type],
+            "title": meta["title"],
+            "description": meta["description"],
+            **meta["schema"],
+        }
+    return out

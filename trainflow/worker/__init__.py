@@ -1,0 +1,1 @@
+"""Worker processes: one per rank, launched by the node agent (or by raw torchrun)."""

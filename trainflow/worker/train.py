@@ -1,0 +1,189 @@
+"""The per-rank training loop: init, parse spec, build, resume, train, checkpoint, close.
+
+Run as ``python -m trainflow.worker.train --run-dir DIR`` under torchrun or trainflow's
+node agent (both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT).
+
+Bit-identical results for a given seed and world size come from: a stateless sampler
+(the data position is the step), every rank's RNG reseeded from (seed, rank, step) at
+each step, the LR computed from the step, one intra-op thread, and a fixed-order
+gradient reduction (per-tensor all-reduce) instead of DDP's order-dependent buckets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trainflow.checkpoint import manifest
+from trainflow.heartbeat import HeartbeatWriter, RankState
+from trainflow.spec import TrainingSpec
+
+
+def lr_at(spec: TrainingSpec, step: int) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, spec.steps // 20)
+    if step < warmup:
+        return spec.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, spec.steps - warmup)
+    return spec.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    return (seed * 1_000_003 + rank * 10_007 + step) % (2**63 - 1)
+
+
+def _fixed_order_allreduce(process_group, bucket):
+    """DDP comm hook: average each gradient with its own all-reduce.
+
+    DDP rebuilds its buckets after the first step, and with three or more ranks the
+    summation order then depends on the bucket layout, so a resumed run would differ in
+    the last bits. Reducing tensor by tensor makes the order a function of the tensor.
+    """
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    world = dist.get_world_size(process_group)
+    offset = 0
+    for grad in bucket.gradients():
+        seg = buf[offset : offset + grad.numel()]
+        seg.div_(world)
+        dist.all_reduce(seg, group=process_group)
+        offset += grad.numel()
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def wrap(model, spec: TrainingSpec, shard_modules, device):
+    """Wrap ``model`` for data parallelism: DDP (default) or FSDP2 ``fully_shard``."""
+    if spec.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in shard_modules:
+            fully_shard(module)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, device_ids=None if device.type == "cpu" else [device.index])
+    ddp.register_comm_hook(None, _fixed_order_allreduce)
+    return ddp
+
+
+def _collate(train, indices, device):
+    from torch.utils.data import default_collate
+
+    batch = default_collate([train[i] for i in indices])
+    return tuple(t.to(device) for t in batch) if isinstance(batch, (tuple, list)) else batch.to(device)
+
+
+def run(run_dir: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from trainflow.chips.registry import get_family
+    from trainflow.checkpoint import dcp
+    from trainflow.data import shard_indices
+    from trainflow.workloads import load_workload
+
+    spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = int(os.environ.get("TRAINFLOW_NODE", os.environ.get("GROUP_RANK", "0")))
+    if world != spec.world_size:
+        raise RuntimeError(f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}")
+    torch.set_num_threads(1)
+    family = get_family(spec.chip)
+    device = torch.device("cpu")
+    if family.device_type != "cpu":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device(family.device_type, local_rank)
+        torch.get_device_module(family.device_type).set_device(device)
+    beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node,
+                           interval=spec.heartbeat_interval)
+    beat.beat(step=0, total=spec.steps, state=RankState.STARTING, force=True)
+    dist.init_process_group(backend=family.composite_backend)
+    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
+
+    workload = load_workload(spec)
+    model = wrap(workload.model.to(device), spec, workload.shard_modules, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    ckpt_root = run_dir / "checkpoints"
+    thash = spec.training_hash()
+
+    # Rank 0 decides the resume point so every rank loads the same checkpoint.
+    choice = [None]
+    if rank == 0:
+        ref = manifest.newest_verified(ckpt_root, training_hash=thash, world_size=world)
+        choice = [ref.to_dict() if ref else None]
+    dist.broadcast_object_list(choice, src=0)
+    start = 0
+    if choice[0]:
+        dcp.load(model, optimizer, choice[0]["path"])
+        start = choice[0]["step"]
+        say(f"resumed from verified checkpoint step {start} ({choice[0]['path']})")
+
+    n, window_t, window_s = len(workload.train), time.time(), start
+    loss_value, samples_per_s, last_ckpt = float("nan"), 0.0, start
+    for step in range(start, spec.steps):
+        torch.manual_seed(step_seed(spec.seed, rank, step))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(spec, step)
+        idx = shard_indices(n=n, seed=spec.seed, step=step, batch_size=spec.batch_size,
+                            world_size=world, rank=rank)
+        model.train()
+        loss = workload.loss(model, _collate(workload.train, idx, device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        done = step + 1
+        loss_value = float(loss.detach())
+        if time.time() - window_t >= spec.heartbeat_interval:
+            samples_per_s = (done - window_s) * spec.batch_size / (time.time() - window_t)
+            window_t, window_s = time.time(), done
+        beat.beat(step=done, total=spec.steps, state=RankState.TRAINING, loss=loss_value,
+                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt)
+        if done % spec.checkpoint_interval == 0 or done == spec.steps:
+            beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
+                      checkpoint_step=last_ckpt, force=True)
+            ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
+                           training_hash=thash, keep_last=spec.keep_last)
+            last_ckpt = done
+            if ref is not None:
+                say(f"step {done}/{spec.steps} loss {loss_value:.4f} checkpoint verified "
+                    f"({ref.bytes} bytes, manifest {ref.manifest_sha256[:12]})")
+    beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
+              samples_per_s=samples_per_s, checkpoint_step=last_ckpt, force=True)
+    # Free model, optimizer and data before tearing the group down: workers otherwise
+    # hang at exit in a fraction of runs (DESIGN.md §2).
+    del model, optimizer, workload
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        return run(args.run_dir)
+    except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
+        rank = int(os.environ.get("RANK", "-1"))
+        err_dir = args.run_dir / "errors"
+        err_dir.mkdir(parents=True, exist_ok=True)
+        (err_dir / f"rank-{rank:05d}.json").write_text(json.dumps({
+            "rank": rank, "type": type(exc).__name__, "message": str(exc),
+            "traceback": traceback.format_exc(), "time": time.time(),
+        }))
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Run workspaces: one isolated directory per (tenant, DAG, run).
+
+Every name that becomes a path component is checked against a strict pattern, and the
+resolved path must stay inside the root, so no run id, tenant or DAG id can escape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainflow.errors import SpecError
+
+# Airflow's default allowed_run_id_pattern plus the characters of its generated ids.
+RUN_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:+~-]{0,249}$"
+DAG_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}$"
+
+
+def default_root() -> Path:
+    """Root of all workspaces: ``$TRAINFLOW_HOME/runs`` (default ``~/.trainflow/runs``)."""
+    home = os.environ.get("TRAINFLOW_HOME") or os.path.join(os.path.expanduser("~"), ".trainflow")
+    return Path(home) / "runs"
+
+
+def check_name(field: str, value: str, pattern: str) -> str:
+    """Return ``value`` if it is a safe path component, else raise ``SpecError``."""
+    if not isinstance(value, str) or not re.fullmatch(pattern, value) or ".." in value:
+        raise SpecError(field, value, f"must match {pattern} and must not contain '..'")
+    return value
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The directory tree of one run. Pure path arithmetic; ``create`` does the I/O."""
+
+    root: Path
+    tenant: str
+    dag_id: str
+    run_id: str
+
+    def __post_init__(self) -> None:
+        check_name("tenant", self.tenant, r"^[a-z0-9][a-z0-9-]{0,62}$")
+        check_name("dag_id", self.dag_id, DAG_ID_PATTERN)
+        check_name("run_id", self.run_id, RUN_ID_PATTERN)
+        root = Path(self.root).resolve()
+        object.__setattr__(self, "root", root)
+        if root not in self.dir.resolve().parents:
+            raise SpecError("run_id", self.run_id, "resolves outside the workspace root")
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.tenant / self.dag_id / self.run_id
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.dir / "heartbeats"
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def spec_file(self) -> Path:
+        return self.dir / "spec.json"
+
+    @property
+    def plan_file(self) -> Path:
+        return self.dir / "plan.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.dir / "metrics.json"
+
+    @property
+    def report_file(self) -> Path:
+        return self.dir / "report.json"
+
+    def create(self) -> "Workspace":
+        for d in (self.checkpoints, self.heartbeats, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write JSON so readers see the old or the new file, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
