@@ -23,6 +23,7 @@ def agent_env(plan: dict, node: int) -> dict[str, str]:
     return {
         **plan.get("env", {}),
         "TRAINFLOW_NODE": str(node),
+        "TRAINFLOW_AGENT_PID": str(os.getpid()),
         "OMP_NUM_THREADS": "1",
         # Fresh worker store each round: the shared one caches stale addresses after
         # restarts (DESIGN.md §2).

@@ -53,12 +53,15 @@ def start_agents(plan_path: Path, nodes: int, *, log_dir: Path | None = None) ->
     return procs
 
 
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal the agent's whole process session (its workers run in it too)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+def kill_tree(proc: subprocess.Popen | int, sig: int = signal.SIGKILL) -> None:
+    """Signal the agent and every descendant.
+
+    The elastic agent starts its workers in sessions of their own, so a process-group
+    kill would leave them training as orphans: collect the whole tree first.
+    """
+    from trainflow.proctree import signal_tree
+
+    signal_tree(proc if isinstance(proc, int) else proc.pid, sig)
 
 
 def run_local(spec: TrainingSpec, run_dir: Path, *, timeout: float = 1800) -> list[int]:

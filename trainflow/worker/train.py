@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    from trainflow.proctree import die_with_parent
+
+    die_with_parent(int(os.environ.get("TRAINFLOW_AGENT_PID", "0")))
     try:
         return run(args.run_dir)
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from trainflow.heartbeat import (HeartbeatPolicy, HeartbeatWriter, RankState, Verdict, classify,
+                                 read_all)
+
+POLICY = HeartbeatPolicy(timeout=10, startup_timeout=60)
+
+
+def beat(rank, step, state="training", progress=100.0):
+    return {"rank": rank, "step": step, "state": state, "time": progress, "progress_time": progress}
+
+
+def test_waiting_then_startup_timeout():
+    assert classify({0: beat(0, 1)}, now=110, world_size=2, started_at=100, policy=POLICY).verdict == Verdict.WAITING
+    c = classify({0: beat(0, 1)}, now=161, world_size=2, started_at=100, policy=POLICY)
+    assert c.verdict == Verdict.STARTUP_TIMEOUT and c.ranks == (1,)
+    assert "ranks [1]" in c.message
+
+
+def test_healthy_stalled_complete():
+    beats = {0: beat(0, 5, progress=100), 1: beat(1, 5, progress=100)}
+    assert classify(beats, now=105, world_size=2, started_at=90, policy=POLICY).verdict == Verdict.HEALTHY
+    beats[1] = beat(1, 3, progress=90)
+    c = classify(beats, now=105, world_size=2, started_at=90, policy=POLICY)
+    assert c.verdict == Verdict.STALLED and c.ranks == (1,)
+    assert "rank 1" in c.message and "step 3" in c.message
+    done = {r: beat(r, 9, "done", 50) for r in (0, 1)}
+    assert classify(done, now=500, world_size=2, started_at=0, policy=POLICY).verdict == Verdict.COMPLETE
+
+
+def test_watch_start_opens_a_fresh_window():
+    # heartbeats older than the start of watching do not count as a stall right away
+    beats = {0: beat(0, 5, progress=10)}
+    assert classify(beats, now=105, world_size=1, started_at=100, policy=POLICY).verdict == Verdict.HEALTHY
+
+
+def test_writer_throttles_but_writes_state_changes(tmp_path):
+    w = HeartbeatWriter(tmp_path, rank=3, node=1, interval=3600)
+    w.beat(step=1, total=10, state=RankState.TRAINING, loss=2.0)
+    w.beat(step=2, total=10, state=RankState.TRAINING, loss=1.0)
+    assert read_all(tmp_path)[3]["step"] == 1
+    w.beat(step=10, total=10, state=RankState.DONE)
+    got = read_all(tmp_path)[3]
+    assert got["state"] == "done" and got["step"] == 10 and got["node"] == 1
