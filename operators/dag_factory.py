@@ -1,0 +1,73 @@
+"""``training_dag``: the one factory that builds every training DAG from a spec.
+
+provision → shard_train[node] (mapped) → checkpoint_sync → evaluate, with
+heartbeat_watch beside shard_train and the release teardown.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, Mapping
+
+from airflow.sdk import DAG, Asset, Param
+
+from trainflow.chips.registry import queue_for
+from trainflow.spec import TrainingSpec, param_schema
+
+
+def checkpoint_asset(dag_id: str) -> Asset:
+    """The asset whose events announce new verified checkpoints of ``dag_id``."""
+    return Asset(name=f"{dag_id}_checkpoint", uri=f"trainflow://checkpoints/{dag_id}")
+
+
+def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
+                 schedule: Any = None, description: str | None = None,
+                 tags: list[str] | None = None, max_active_runs: int = 4,
+                 pool: str = "embedded") -> DAG:
+    """Build a training DAG whose trigger form and REST conf are validated by the spec.
+
+    Args:
+        dag_id: the DAG id.
+        defaults: per-DAG spec defaults (validated here, at parse time).
+        schedule: an Airflow schedule (cron string, timetable, assets) or None.
+        description, tags, max_active_runs: as for ``DAG``.
+        pool: allocator pool the runs are admitted from.
+    """
+    from operators.checkpoint_sync import CheckpointSyncOperator
+    from operators.evaluate import EvaluateOperator
+    from operators.provision import ProvisionOperator
+    from operators.release import ReleaseOperator
+    from operators.shard_train import ShardTrainOperator
+    from sensors.heartbeat import HeartbeatSensor
+
+    spec = TrainingSpec.from_mapping(dict(defaults or {}))
+    params = {name: Param(**kw) for name, kw in param_schema(defaults).items()}
+    with DAG(
+        dag_id=dag_id,
+        description=description or f"Train {spec.workload} with trainflow",
+        schedule=schedule,
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        max_active_runs=max_active_runs,
+        params=params,
+        tags=["trainflow", spec.workload, *(tags or [])],
+        default_args={"retries": 0},
+        render_template_as_native_obj=False,
+    ) as dag:
+        provision = ProvisionOperator(task_id="provision", retries=2,
+                                      retry_delay=timedelta(seconds=5), pool=pool)
+        shards = ShardTrainOperator.partial(
+            task_id="shard_train", queue=queue_for(spec.chip), retries=10,
+            retry_delay=timedelta(seconds=2),
+        ).expand_kwargs(provision.output)
+        watch = HeartbeatSensor(task_id="heartbeat_watch", retries=0)
+        sync = CheckpointSyncOperator(task_id="checkpoint_sync", retries=2,
+                                      retry_delay=timedelta(seconds=2),
+                                      outlets=[checkpoint_asset(dag_id)])
+        evaluate = EvaluateOperator(task_id="evaluate", retries=1, retry_delay=timedelta(seconds=2))
+        release = ReleaseOperator(task_id="release")
+        provision >> [shards, watch]
+        shards >> sync >> evaluate >> release
+        watch >> release
+        release.as_teardown(setups=provision)
+    return dag

@@ -1,0 +1,53 @@
+"""``evaluate``: score the published checkpoint and write the run report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators._common import RUN_DIR_TEMPLATE, Subprocess, python
+
+
+class EvaluateOperator(BaseOperator):
+    """Evaluate the run's checkpoint on held-out data in a subprocess (torch stays out of
+    the task process); push XCom ``metrics``; write ``report.json`` in the workspace.
+
+    :param run_dir: the run's workspace (templated; default: provision's XCom).
+    :param checkpoint_path: checkpoint to score (templated; default: checkpoint_sync's).
+    """
+
+    template_fields = ("run_dir", "checkpoint_path")
+
+    def __init__(self, *, run_dir: str = RUN_DIR_TEMPLATE,
+                 checkpoint_path: str = "{{ ti.xcom_pull(task_ids='checkpoint_sync', key='checkpoint')['path'] }}",
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.run_dir = run_dir
+        self.checkpoint_path = checkpoint_path
+        self._proc: Subprocess | None = None
+
+    def execute(self, context) -> dict[str, Any]:
+        import json
+        from pathlib import Path
+
+        from airflow.sdk.exceptions import AirflowException
+
+        from trainflow.report import build_report, write_report
+
+        self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
+                                 self.run_dir, "--checkpoint", self.checkpoint_path], log=self.log)
+        if (rc := self._proc.run()) != 0:
+            raise AirflowException(f"evaluation exited with code {rc}")
+        result = json.loads((Path(self.run_dir) / "metrics.json").read_text())
+        checkpoint = context["ti"].xcom_pull(task_ids="checkpoint_sync", key="checkpoint")
+        report = write_report(self.run_dir, build_report(self.run_dir, metrics=result, checkpoint=checkpoint))
+        self.log.info("metrics %s; report %s", json.dumps(result["metrics"]), report)
+        metrics = {**result["metrics"], "step": result["step"], "weights_sha256": result["weights_sha256"],
+                   "target_met": result.get("target", {}).get("met"), "report": str(report)}
+        context["ti"].xcom_push(key="metrics", value=metrics)
+        return metrics
+
+    def on_kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()

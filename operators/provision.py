@@ -1,0 +1,66 @@
+"""``provision``: validate the spec, admit the gang, create the workspace, plan the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators._common import translate
+
+
+class ProvisionOperator(BaseOperator):
+    """Validate the run's spec (from the DAG params) and admit its nodes all-or-nothing.
+
+    Bad input fails the task at once (no retry) with the field, the value and the fix,
+    before anything is allocated or written. Returns one kwargs dict per node for the
+    mapped ``shard_train`` task; pushes ``plan``, ``run_dir`` and ``resume_from``.
+
+    :param pool: allocator pool to admit from.
+    :param lease_ttl: seconds a lease lives before it expires (backstop for crashed runs).
+    """
+
+    def __init__(self, *, pool: str = "embedded", lease_ttl: float = 24 * 3600, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pool = pool
+        self.lease_ttl = lease_ttl
+
+    def execute(self, context) -> list[dict[str, Any]]:
+        from trainflow.checkpoint.manifest import newest_verified
+        from trainflow.cluster.allocator import Allocator, embedded_capacity
+        from trainflow.errors import SpecError, TrainingError
+        from trainflow.launch.local import prepare
+        from trainflow.spec import TrainingSpec
+        from trainflow.workspace import Workspace, default_root
+
+        dag_id, run_id = self.dag_id, context["run_id"]
+        try:
+            spec = TrainingSpec.from_mapping(dict(context["params"]))
+            ws = Workspace(default_root(), spec.tenant, dag_id, run_id)
+        except SpecError as exc:
+            raise translate(exc) from exc
+        self.log.info("spec: %s", spec.to_json())
+        allocator = Allocator()
+        if self.pool == "embedded":
+            allocator.set_pool("embedded", embedded_capacity())
+        try:
+            lease = allocator.admit(f"{spec.tenant}/{dag_id}/{run_id}", tenant=spec.tenant,
+                                    pool=self.pool, nodes=spec.nodes, ttl=self.lease_ttl)
+        except (SpecError, TrainingError) as exc:
+            raise translate(exc) from exc
+        self.log.info("admitted %d nodes of pool %r until %.0f", lease.nodes, lease.pool, lease.expires)
+        ws.create()
+        plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
+        resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
+                                 world_size=spec.world_size)
+        ti = context["ti"]
+        from operators._common import load_plan
+
+        ti.xcom_push(key="plan", value=load_plan(ws.dir))
+        ti.xcom_push(key="run_dir", value=str(ws.dir))
+        ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
+        self.log.info("workspace %s; %d nodes × %d ranks on queue %s; resume from %s",
+                      ws.dir, spec.nodes, spec.nproc_per_node, load_plan(ws.dir)["queue"],
+                      f"step {resume.step}" if resume else "scratch")
+        return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(spec.nodes)]

@@ -1,0 +1,72 @@
+"""``shard_train``: one node of the gang (mapped, one task instance per node)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators._common import Subprocess, load_plan, python
+
+
+class ShardTrainOperator(BaseOperator):
+    """Run node ``node``'s agent, which launches its torch.distributed workers.
+
+    The agent runs in its own process session; its output (and its workers') streams into
+    this task's log; ``on_kill`` tears the whole process tree down. The newest checkpoint
+    this node saw is kept in ``task_state_store`` (it survives retries) and pushed as XCom
+    ``checkpoint``.
+
+    :param node: node index in the gang (templated).
+    :param plan_path: the run's plan.json written by provision (templated).
+    """
+
+    template_fields = ("node", "plan_path")
+
+    def __init__(self, *, node: int, plan_path: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.node = node
+        self.plan_path = plan_path
+        self._agent: Subprocess | None = None
+
+    def execute(self, context) -> dict[str, Any]:
+        from pathlib import Path
+
+        from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+        from trainflow.checkpoint.manifest import newest_verified
+        from trainflow.heartbeat import read_all
+
+        run_dir = Path(self.plan_path).parent
+        plan = load_plan(run_dir)
+        node, spec = int(self.node), plan["spec"]
+        store = context.get("task_state_store")
+        try_number = context["ti"].try_number
+        if try_number > spec["retries"] + 1:
+            raise AirflowFailException(f"node {node}: retry budget of the run spent "
+                                       f"(retries={spec['retries']}, this is try {try_number})")
+        if store is not None and (prev := store.get("checkpoint")):
+            self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
+        self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
+                                  "--plan", self.plan_path, "--node", str(node)], log=self.log)
+        rc = self._agent.run()
+        ckpt = newest_verified(run_dir / "checkpoints")
+        if ckpt is not None:
+            pointer = {"step": ckpt.step, "path": ckpt.path, "manifest_sha256": ckpt.manifest_sha256}
+            if store is not None:
+                store.set("checkpoint", pointer)
+            context["ti"].xcom_push(key="checkpoint", value=pointer)
+        if rc != 0:
+            raise AirflowException(f"node {node} agent exited with code {rc}")
+        mine = {r: b for r, b in read_all(run_dir / "heartbeats").items() if b.get("node") == node}
+        return {
+            "node": node,
+            "ranks": sorted(mine),
+            "step": min((b["step"] for b in mine.values()), default=0),
+            "loss": {str(r): b.get("loss") for r, b in sorted(mine.items())},
+            "samples_per_s": sum(b.get("samples_per_s", 0.0) for b in mine.values()),
+        }
+
+    def on_kill(self) -> None:
+        if self._agent is not None:
+            self._agent.kill()

@@ -1,0 +1,1 @@
+"""Deferrable sensors of trainflow (and their triggers, importable by the triggerer)."""

@@ -1,0 +1,90 @@
+"""The DAG folder parses without errors; every training DAG has the expected shape."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DAGS = Path(__file__).resolve().parents[1] / "dags"
+TRAINING = ["train_digits", "train_tinylm", "retrain_digits_nightly"]
+
+
+@pytest.fixture(scope="module")
+def dagbag(tmp_path_factory):
+    os.environ.setdefault("AIRFLOW_HOME", str(tmp_path_factory.mktemp("airflow")))
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_no_import_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert set(TRAINING) | {"checkpoint_audit"} <= set(dagbag.dag_ids)
+
+
+@pytest.mark.parametrize("dag_id", TRAINING)
+def test_training_dag_shape(dagbag, dag_id):
+    dag = dagbag.dags[dag_id]
+    assert "trainflow" in dag.tags
+    assert set(dag.task_ids) == {"provision", "shard_train", "heartbeat_watch", "checkpoint_sync",
+                                 "evaluate", "release"}
+    t = dag.task_dict
+    assert t["shard_train"].retries >= 1 and t["provision"].retries >= 1
+    assert t["shard_train"].upstream_task_ids == {"provision"}
+    assert t["heartbeat_watch"].upstream_task_ids == {"provision"}
+    assert t["checkpoint_sync"].upstream_task_ids == {"shard_train"}
+    assert t["evaluate"].upstream_task_ids == {"checkpoint_sync"}
+    assert t["release"].is_teardown and t["provision"].is_setup
+    assert t["shard_train"].queue == "cpu"
+    assert [o.uri for o in t["checkpoint_sync"].outlets] == [f"trainflow://checkpoints/{dag_id}"]
+    assert dag.catchup is False
+
+
+def test_scheduled_retrain_is_cron_without_catchup(dagbag):
+    dag = dagbag.dags["retrain_digits_nightly"]
+    assert dag.timetable.expression == "0 2 * * *"
+    assert dag.catchup is False and dag.max_active_runs == 1
+
+
+def test_params_are_generated_from_the_spec(dagbag):
+    from trainflow.spec import TrainingSpec
+
+    params = dagbag.dags["train_tinylm"].params
+    assert set(params.keys()) == set(TrainingSpec.__dataclass_fields__)
+    assert params["workload"] == "tinylm"
+    schema = params.get_param("nodes").schema
+    assert schema["minimum"] == 1 and schema["type"] == "integer"
+
+
+def test_trigger_form_rejects_bad_values(dagbag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = dagbag.dags["train_digits"].params
+    for key, bad in [("nodes", 0), ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
+        p = params.get_param(key)
+        with pytest.raises(ParamValidationError):
+            p.resolve(bad)
+
+
+def test_heartbeat_trigger_serialization_round_trip():
+    from sensors.heartbeat import HeartbeatTrigger
+
+    trig = HeartbeatTrigger(run_dir="/x", world_size=4, timeout=9.0, startup_timeout=60.0,
+                            started_at=123.0, poll_interval=0.5)
+    path, kwargs = trig.serialize()
+    assert path == "sensors.heartbeat.HeartbeatTrigger"
+    assert HeartbeatTrigger(**kwargs).serialize() == (path, kwargs)
+
+
+def test_operator_fields_survive_dag_serialization(dagbag):
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag = dagbag.dags["train_digits"]
+    round_trip = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    assert list(round_trip.task_dict["heartbeat_watch"].template_fields) == ["run_dir"]
+    assert list(round_trip.task_dict["shard_train"].template_fields) == ["node", "plan_path"]
+    assert round_trip.task_dict["release"].is_teardown
+    assert round_trip.task_dict["shard_train"].queue == "cpu"
+    assert set(round_trip.params.keys()) == set(dag.params.keys())

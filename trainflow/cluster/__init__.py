@@ -1,0 +1,1 @@
+"""Cluster state: node capacity and gang allocations (leases)."""

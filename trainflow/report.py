@@ -1,0 +1,44 @@
+"""The run report: one JSON document with what a run did and reached."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trainflow.heartbeat import read_all
+from trainflow.workspace import write_json_atomic
+
+
+def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str, Any] | None) -> dict:
+    run_dir = Path(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    beats = read_all(run_dir / "heartbeats")
+    nodes = {}
+    for p in sorted((run_dir / "nodes").glob("node-*.json")):
+        status = json.loads(p.read_text())
+        nodes[str(status["node"])] = status
+    errors = [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank-*.json"))] \
+        if (run_dir / "errors").is_dir() else []
+    return {
+        "generated": time.time(),
+        "dag_id": plan["dag_id"],
+        "run_id": plan["run_id"],
+        "tenant": plan["tenant"],
+        "spec": plan["spec"],
+        "world_size": plan["world_size"],
+        "queue": plan["queue"],
+        "nodes": nodes,
+        "ranks": {str(r): {k: b.get(k) for k in ("node", "step", "loss", "samples_per_s", "state")}
+                  for r, b in sorted(beats.items())},
+        "checkpoint": checkpoint,
+        "metrics": metrics,
+        "errors": [{k: e.get(k) for k in ("rank", "type", "message")} for e in errors],
+    }
+
+
+def write_report(run_dir: Path, report: dict) -> Path:
+    path = Path(run_dir) / "report.json"
+    write_json_atomic(path, report)
+    return path
