@@ -23,7 +23,7 @@ def checkpoint_asset(dag_id: str) -> Asset:
 def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
                  schedule: Any = None, description: str | None = None,
                  tags: list[str] | None = None, max_active_runs: int = 4,
-                 pool: str = "embedded") -> DAG:
+                 node_pool: str = "embedded") -> DAG:
     """Build a training DAG whose trigger form and REST conf are validated by the spec.
 
     Args:
@@ -31,7 +31,7 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         defaults: per-DAG spec defaults (validated here, at parse time).
         schedule: an Airflow schedule (cron string, timetable, assets) or None.
         description, tags, max_active_runs: as for ``DAG``.
-        pool: allocator pool the runs are admitted from.
+        node_pool: trainflow allocator pool the runs are admitted from.
     """
     from operators.checkpoint_sync import CheckpointSyncOperator
     from operators.evaluate import EvaluateOperator
@@ -55,7 +55,7 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         render_template_as_native_obj=False,
     ) as dag:
         provision = ProvisionOperator(task_id="provision", retries=2,
-                                      retry_delay=timedelta(seconds=5), pool=pool)
+                                      retry_delay=timedelta(seconds=5), node_pool=node_pool)
         shards = ShardTrainOperator.partial(
             task_id="shard_train", queue=queue_for(spec.chip), retries=10,
             retry_delay=timedelta(seconds=2),

@@ -17,13 +17,13 @@ class ProvisionOperator(BaseOperator):
     before anything is allocated or written. Returns one kwargs dict per node for the
     mapped ``shard_train`` task; pushes ``plan``, ``run_dir`` and ``resume_from``.
 
-    :param pool: allocator pool to admit from.
+    :param node_pool: trainflow allocator pool to admit the gang from (not an Airflow pool).
     :param lease_ttl: seconds a lease lives before it expires (backstop for crashed runs).
     """
 
-    def __init__(self, *, pool: str = "embedded", lease_ttl: float = 24 * 3600, **kwargs: Any) -> None:
+    def __init__(self, *, node_pool: str = "embedded", lease_ttl: float = 24 * 3600, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.pool = pool
+        self.node_pool = node_pool
         self.lease_ttl = lease_ttl
 
     def execute(self, context) -> list[dict[str, Any]]:
@@ -42,11 +42,11 @@ class ProvisionOperator(BaseOperator):
             raise translate(exc) from exc
         self.log.info("spec: %s", spec.to_json())
         allocator = Allocator()
-        if self.pool == "embedded":
+        if self.node_pool == "embedded":
             allocator.set_pool("embedded", embedded_capacity())
         try:
             lease = allocator.admit(f"{spec.tenant}/{dag_id}/{run_id}", tenant=spec.tenant,
-                                    pool=self.pool, nodes=spec.nodes, ttl=self.lease_ttl)
+                                    pool=self.node_pool, nodes=spec.nodes, ttl=self.lease_ttl)
         except (SpecError, TrainingError) as exc:
             raise translate(exc) from exc
         self.log.info("admitted %d nodes of pool %r until %.0f", lease.nodes, lease.pool, lease.expires)

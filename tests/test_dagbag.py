@@ -38,6 +38,7 @@ def test_training_dag_shape(dagbag, dag_id):
     assert t["evaluate"].upstream_task_ids == {"checkpoint_sync"}
     assert t["release"].is_teardown and t["provision"].is_setup
     assert t["shard_train"].queue == "cpu"
+    assert {task.pool for task in dag.tasks} == {"default_pool"}
     assert [o.uri for o in t["checkpoint_sync"].outlets] == [f"trainflow://checkpoints/{dag_id}"]
     assert dag.catchup is False
 

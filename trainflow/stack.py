@@ -1,0 +1,193 @@
+"""The embedded stack: Airflow (SQLite + LocalExecutor) with trainflow, on one machine.
+
+It writes an Airflow home (settings tuned for a small machine, DESIGN.md §3), starts
+api-server, scheduler, dag-processor and triggerer as background processes with pid
+files, waits until they are healthy, and stops them again. Starting twice is harmless:
+live components are kept. It drives the ``airflow`` command and never imports airflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class EmbeddedStack:
+    """One embedded Airflow + trainflow installation.
+
+    Attributes:
+        home: the Airflow home (config, SQLite DB, logs, pid files).
+        trainflow_home: trainflow's state (workspaces, allocator DB).
+        dags_folder: folder of DAG files.
+        port: api-server port on 127.0.0.1.
+        parallelism: LocalExecutor slots (each pre-forks a process: keep it small).
+        node_slots: nodes the embedded allocator pool may hand out at once.
+    """
+
+    home: Path = field(default_factory=lambda: REPO / ".airflow")
+    trainflow_home: Path = field(default_factory=lambda: REPO / ".trainflow")
+    dags_folder: Path = field(default_factory=lambda: REPO / "dags")
+    port: int = 8080
+    parallelism: int = 8
+    node_slots: int = 4
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def secrets_file(self) -> Path:
+        return self.home / "trainflow-secrets.json"
+
+    def credentials(self) -> tuple[str, str]:
+        return "admin", self._secrets()["admin_password"]
+
+    def _secrets(self) -> dict[str, str]:
+        if not self.secrets_file.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            data = {"admin_password": secrets.token_urlsafe(12), "jwt_secret": secrets.token_urlsafe(32),
+                    "secret_key": secrets.token_urlsafe(32)}
+            fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh)
+        return json.loads(self.secrets_file.read_text())
+
+    def env(self) -> dict[str, str]:
+        """The environment every component (and every task process) runs with."""
+        s = self._secrets()
+        env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(self.home),
+            "TRAINFLOW_HOME": str(self.trainflow_home),
+            "TRAINFLOW_EMBEDDED_NODES": str(self.node_slots),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.url,
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__API__SECRET_KEY": s["secret_key"],
+            "AIRFLOW__API_AUTH__JWT_SECRET": s["jwt_secret"],
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
+            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+            "AIRFLOW__TRIGGERER__DEFAULT_CAPACITY": "100",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            **self.extra_env,
+        }
+        return env
+
+    def _airflow(self) -> str:
+        return str(Path(sys.executable).parent / "airflow")
+
+    def _pidfile(self, component: str) -> Path:
+        return self.home / "run" / f"{component}.pid"
+
+    def pid(self, component: str) -> int | None:
+        try:
+            pid = int(self._pidfile(component).read_text())
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError):
+            return None
+
+    def prepare(self) -> None:
+        """Write the home and passwords, migrate the database (idempotent)."""
+        (self.home / "run").mkdir(parents=True, exist_ok=True)
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        self.trainflow_home.mkdir(parents=True, exist_ok=True)
+        user, password = self.credentials()
+        (self.home / "passwords.json").write_text(json.dumps({user: password}))
+        subprocess.run([self._airflow(), "db", "migrate"], env=self.env(), check=True,
+                       stdout=open(self.home / "logs" / "db-migrate.log", "ab"), stderr=subprocess.STDOUT)
+
+    def start(self) -> list[str]:
+        """Start every component that is not running; return the ones started."""
+        started = []
+        env = self.env()
+        for component in COMPONENTS:
+            if self.pid(component):
+                continue
+            log = open(self.home / "logs" / f"{component}.log", "ab")
+            proc = subprocess.Popen([self._airflow(), component], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=self.home)
+            self._pidfile(component).write_text(str(proc.pid))
+            started.append(component)
+        return started
+
+    def health(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v2/monitor/health", timeout=5) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def healthy(self) -> bool:
+        h = self.health()
+        if not h:
+            return False
+        parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+        return all((h.get(p) or {}).get("status") == "healthy" for p in parts)
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while not self.healthy():
+            dead = [c for c in COMPONENTS if not self.pid(c)]
+            if dead:
+                raise RuntimeError(f"components exited: {dead}; see {self.home / 'logs'}")
+            if time.time() > deadline:
+                raise TimeoutError(f"stack not healthy after {timeout}s: {self.health()}")
+            time.sleep(0.5)
+
+    def up(self, timeout: float = 180) -> None:
+        self.prepare()
+        self.start()
+        self.wait_healthy(timeout)
+
+    def stop(self, grace: float = 15) -> list[str]:
+        """SIGTERM every component's process tree, then SIGKILL what is left."""
+        from trainflow.proctree import signal_tree
+
+        stopped = []
+        for component in COMPONENTS:
+            pid = self.pid(component)
+            if pid is None:
+                self._pidfile(component).unlink(missing_ok=True)
+                continue
+            signal_tree(pid, signal.SIGTERM)
+            stopped.append(component)
+        deadline = time.time() + grace
+        while time.time() < deadline and any(self.pid(c) for c in stopped):
+            time.sleep(0.2)
+        for component in stopped:
+            if (pid := self.pid(component)) is not None:
+                signal_tree(pid, signal.SIGKILL)
+            self._pidfile(component).unlink(missing_ok=True)
+        return stopped
+
+    def client(self):
+        from trainflow.rest import AirflowClient
+
+        return AirflowClient(self.url, *self.credentials())
