@@ -102,6 +102,25 @@ class AirflowClient:
                                f"{_q(task_id)}/xcomEntries/{_q(key)}?map_index={map_index}&deserialize=true")
         return out["value"]
 
+    def state_store(self, dag_id: str, run_id: str, task_id: str, key: str, map_index: int = -1) -> Any:
+        """A task's ``task_state_store`` value (survives the task's retries)."""
+        out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
+                               f"{_q(task_id)}/state-store/{_q(key)}?map_index={map_index}")
+        return out["value"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1,
+                 map_index: int = -1) -> str:
+        """The task's log as text (one line per structured log event)."""
+        out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
+                               f"{_q(task_id)}/logs/{try_number}?map_index={map_index}&full_content=true")
+        content = out.get("content", [])
+        if isinstance(content, str):
+            return content
+        return "\n".join(json.dumps(c) if not isinstance(c, str) else c for c in content)
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns?limit=100")["dag_runs"]
+
     def wait_run(self, dag_id: str, run_id: str, timeout: float, poll: float = 1.0,
                  on_poll=None) -> dict:
         deadline = time.time() + timeout

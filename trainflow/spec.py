@@ -21,7 +21,9 @@ from trainflow.errors import SpecError
 BUILTIN_WORKLOADS = ("digits", "tinylm")
 STRATEGIES = ("ddp", "fsdp")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
-WORKLOAD_PATTERN = r"^([a-z0-9_]+|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
+# Built-in names, or 'package.module:function' (so the trigger form refuses anything else).
+WORKLOAD_PATTERN = (r"^(" + "|".join(BUILTIN_WORKLOADS)
+                    + r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$")
 STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*)$"
 
 # Fields whose values change the trained weights; the checkpoint manifest records their
@@ -91,11 +93,6 @@ class TrainingSpec:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
-        if self.workload in BUILTIN_WORKLOADS or ":" in self.workload:
-            pass  # a custom import path is resolved (and checked) when the worker loads it
-        else:
-            raise SpecError("workload", self.workload,
-                            f"use one of {', '.join(BUILTIN_WORKLOADS)} or 'package.module:build'")
         if self.checkpoint_interval > self.steps:
             raise SpecError("checkpoint_interval", self.checkpoint_interval,
                             f"must be at most steps ({self.steps}); lower it or raise steps")
@@ -176,6 +173,8 @@ def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> 
     if "maxLength" in schema and len(value) > schema["maxLength"]:
         raise SpecError(name, value, f"must be at most {schema['maxLength']} characters")
     if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
+        if name == "workload":
+            raise SpecError(name, value, f"use one of {', '.join(BUILTIN_WORKLOADS)} or 'package.module:build'")
         raise SpecError(name, value, f"must match {schema['pattern']}")
 
 

@@ -1,0 +1,94 @@
+"""End to end on the real embedded stack: REST trigger → gang training → checkpoint →
+evaluation, plus refused input. Marked ``e2e``: it starts real Airflow processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainflow.checkpoint import manifest
+from trainflow.cluster.allocator import Allocator
+from trainflow.rest import RestError
+
+pytestmark = pytest.mark.e2e
+DAG = "train_digits"
+
+
+@pytest.fixture(scope="module")
+def finished_run(client, stack):
+    client.wait_for_dag(DAG, timeout=120)
+    client.wait_for_dag("checkpoint_audit", timeout=120)
+    client.unpause(DAG)
+    client.unpause("checkpoint_audit")
+    conf = {"steps": 300, "checkpoint_interval": 100, "keep_last": 2, "tenant": "e2e"}
+    run_id = client.trigger(DAG, conf, run_id="e2e-digits-1")["dag_run_id"]
+    run = client.wait_run(DAG, run_id, timeout=600)
+    return run_id, run
+
+
+def test_train_digits_over_rest(client, stack, finished_run):
+    run_id, run = finished_run
+    states = {(t["task_id"], t["map_index"]): t["state"] for t in client.task_instances(DAG, run_id)}
+    assert run["state"] == "success", states
+    assert states[("shard_train", 0)] == states[("shard_train", 1)] == "success"
+    assert states[("heartbeat_watch", -1)] == "success"
+
+    metrics = client.xcom(DAG, run_id, "evaluate", "metrics")
+    assert metrics["accuracy"] >= 0.95 and metrics["target_met"] is True
+    assert metrics["step"] == 300
+
+    pointer = client.xcom(DAG, run_id, "checkpoint_sync", "checkpoint")
+    assert pointer["verified"] and pointer["step"] == 300 and pointer["world_size"] == 2
+    ref = manifest.verify(Path(pointer["path"]))
+    assert ref is not None and ref.manifest_sha256 == pointer["manifest_sha256"]
+    assert client.state_store(DAG, run_id, "checkpoint_sync", "checkpoint")["step"] == 300
+
+    run_dir = Path(client.xcom(DAG, run_id, "provision", "run_dir"))
+    assert run_dir == stack.trainflow_home / "runs" / "e2e" / DAG / run_id
+    assert len(manifest.list_checkpoints(run_dir / "checkpoints")) == 2  # keep_last
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["metrics"]["weights_sha256"] == metrics["weights_sha256"]
+    assert set(report["ranks"]) == {"0", "1"}
+    assert Allocator(stack.trainflow_home / "state.db").leases() == []  # released
+
+
+def test_checkpoint_asset_schedules_the_audit_dag(client, finished_run):
+    import time
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        runs = client.runs("checkpoint_audit")
+        if runs and runs[0]["state"] in ("success", "failed"):
+            break
+        time.sleep(1)
+    assert runs and runs[0]["state"] == "success"
+    checked = client.xcom("checkpoint_audit", runs[0]["dag_run_id"], "audit")
+    assert checked and checked[0]["step"] == 300
+
+
+@pytest.mark.parametrize("conf, field", [
+    ({"nodes": 0}, "nodes"), ({"chip": "tpu"}, "chip"), ({"tenant": "../etc"}, "tenant"),
+    ({"workload": "nosuch"}, "workload"), ({"lr": 0}, "lr"), ({"steps": 0}, "steps"),
+])
+def test_rest_refuses_bad_conf_naming_the_field(client, conf, field):
+    client.wait_for_dag(DAG)
+    with pytest.raises(RestError) as info:
+        client.trigger(DAG, conf)
+    assert info.value.status == 400
+    assert f"param {field}" in str(info.value.detail)
+
+
+def test_cross_field_errors_fail_provision_without_retry(client, stack):
+    client.unpause(DAG)
+    run_id = client.trigger(DAG, {"steps": 10, "checkpoint_interval": 50, "tenant": "bad"},
+                            run_id="e2e-bad-1")["dag_run_id"]
+    run = client.wait_run(DAG, run_id, timeout=180)
+    assert run["state"] == "failed"
+    tis = {t["task_id"]: t for t in client.task_instances(DAG, run_id) if t["map_index"] == -1}
+    assert tis["provision"]["state"] == "failed" and tis["provision"]["try_number"] == 1
+    log = client.task_log(DAG, run_id, "provision", 1)
+    assert "invalid checkpoint_interval=50: must be at most steps (10)" in log
+    assert not (stack.trainflow_home / "runs" / "bad").exists()  # nothing written
+    assert Allocator(stack.trainflow_home / "state.db").leases() == []  # nothing allocated
