@@ -51,14 +51,26 @@ def run_torchrun(spec: TrainingSpec, work: Path) -> float:
     return elapsed
 
 
-def run_dag(client, dag_id: str, conf: dict, i: int) -> float:
+def run_dag(client, dag_id: str, conf: dict, i: int, breakdown: list) -> float:
     t0 = time.perf_counter()
     run_id = client.trigger(dag_id, conf, run_id=f"bench-{int(time.time())}-{i}")["dag_run_id"]
     run = client.wait_run(dag_id, run_id, timeout=3600, poll=0.25)
     elapsed = time.perf_counter() - t0
     if run["state"] != "success":
         raise RuntimeError(f"DAG run {run_id} ended {run['state']}")
+    breakdown.append({f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]:
+                      {"queued_to_start_s": _secs(t.get("queued_when"), t.get("start_date")),
+                       "duration_s": t.get("duration")}
+                      for t in client.task_instances(dag_id, run_id)})
     return elapsed
+
+
+def _secs(a: str | None, b: str | None) -> float | None:
+    from datetime import datetime
+
+    if not a or not b:
+        return None
+    return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds()
 
 
 def main() -> int:
@@ -78,18 +90,18 @@ def main() -> int:
         client = stack.client()
         client.wait_for_dag("train_tinylm", timeout=180)
         client.unpause("train_tinylm")
-        raw, dag = [], []
+        raw, dag, breakdown = [], [], []
         for i in range(args.rounds):
             raw.append(run_torchrun(spec, work))
             print(f"round {i}: torchrun+evaluate {raw[-1]:.1f}s", flush=True)
-            dag.append(run_dag(client, "train_tinylm", conf, i))
+            dag.append(run_dag(client, "train_tinylm", conf, i, breakdown))
             print(f"round {i}: DAG via REST      {dag[-1]:.1f}s", flush=True)
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "bench": "overhead", "spec": conf, "world_size": spec.world_size, "rounds": args.rounds,
-        "torchrun_s": raw, "dag_s": dag,
+        "torchrun_s": raw, "dag_s": dag, "dag_task_breakdown": breakdown,
         "torchrun_median_s": statistics.median(raw), "dag_median_s": statistics.median(dag),
         "ratio": statistics.median(dag) / statistics.median(raw),
         "machine": {"cpus": os.cpu_count()}, "time": time.time(),
