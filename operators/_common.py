@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainflow.errors import SpecError, UserCodeError
 
@@ -45,24 +45,58 @@ class Subprocess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def run(self) -> int:
+    def run(self, poll: Callable[[], str | None] | None = None, interval: float = 0.5) -> int | str:
+        """Run to completion, streaming output; return the exit code.
+
+        ``poll`` is called every ``interval`` seconds while the child runs; if it returns a
+        reason, the child's tree is killed and the reason is returned instead of a code.
+        """
+        import threading
+
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True, text=True, bufsize=1)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.info("%s", line.rstrip())
-        return self.proc.wait()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.info("%s", line.rstrip())
+
+        reader = threading.Thread(target=pump, name="subprocess-log", daemon=True)
+        reader.start()
+        while self.proc.poll() is None:
+            reason = poll() if poll is not None else None
+            if reason:
+                self.kill(grace=0)
+                reader.join(timeout=5)
+                return reason
+            time.sleep(interval)
+        reader.join(timeout=5)
+        return self.proc.returncode
 
     def kill(self, grace: float = 5.0) -> None:
         from trainflow.proctree import signal_tree
 
         if self.proc is None or self.proc.poll() is not None:
             return
-        signal_tree(self.proc.pid, signal.SIGTERM)
+        if grace > 0:
+            signal_tree(self.proc.pid, signal.SIGTERM)
         deadline = time.time() + grace
         while time.time() < deadline and self.proc.poll() is None:
             time.sleep(0.1)
         signal_tree(self.proc.pid, signal.SIGKILL)
+
+
+def read_abort(run_dir: str | Path) -> dict | None:
+    """The run's abort record (a user-code error), if any."""
+    try:
+        return json.loads((Path(run_dir) / "ABORT").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def abort_message(abort: dict) -> str:
+    return (f"rank {abort.get('rank')} failed in user code, not retried: {abort.get('message')}\n"
+            f"{abort.get('traceback', '')}")
 
 
 def python() -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import Subprocess, load_plan, python
+from operators._common import Subprocess, abort_message, load_plan, python, read_abort
 
 
 class ShardTrainOperator(BaseOperator):
@@ -30,6 +30,9 @@ class ShardTrainOperator(BaseOperator):
         self._agent: Subprocess | None = None
 
     def execute(self, context) -> dict[str, Any]:
+        import json
+        import os
+        import time
         from pathlib import Path
 
         from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -47,15 +50,35 @@ class ShardTrainOperator(BaseOperator):
                                        f"(retries={spec['retries']}, this is try {try_number})")
         if store is not None and (prev := store.get("checkpoint")):
             self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
+        if (abort := read_abort(run_dir)) is not None:
+            raise AirflowFailException(abort_message(abort))
+        request = run_dir / "control" / f"restart-node-{node:04d}.json"
+        started = time.time()
+
+        def poll() -> str | None:
+            if read_abort(run_dir) is not None:
+                return "abort"
+            if request.exists():
+                handled = request.with_name(f"{request.name}.handled-try{try_number}")
+                os.replace(request, handled)
+                if json.loads(handled.read_text())["time"] >= started:
+                    return f"restart requested by the heartbeat watch: {handled.read_text()}"
+                self.log.info("ignoring a replacement request older than this try")
+            return None
+
         self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
                                   "--plan", self.plan_path, "--node", str(node)], log=self.log)
-        rc = self._agent.run()
+        rc = self._agent.run(poll=poll)
         ckpt = newest_verified(run_dir / "checkpoints")
         if ckpt is not None:
             pointer = {"step": ckpt.step, "path": ckpt.path, "manifest_sha256": ckpt.manifest_sha256}
             if store is not None:
                 store.set("checkpoint", pointer)
             context["ti"].xcom_push(key="checkpoint", value=pointer)
+        if (abort := read_abort(run_dir)) is not None:
+            raise AirflowFailException(abort_message(abort))
+        if isinstance(rc, str):
+            raise AirflowException(f"node {node} killed for replacement: {rc}")
         if rc != 0:
             raise AirflowException(f"node {node} agent exited with code {rc}")
         mine = {r: b for r, b in read_all(run_dir / "heartbeats").items() if b.get("node") == node}

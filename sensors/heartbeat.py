@@ -26,11 +26,13 @@ class HeartbeatTrigger(BaseTrigger):
     :param startup_timeout: seconds to wait for every rank's first heartbeat.
     :param started_at: wall-clock start of the watch (kept across trigger restarts).
     :param poll_interval: seconds between polls.
+    :param max_remediations: node replacements requested before the watch gives up.
     """
 
     def __init__(self, *, run_dir: str, world_size: int, timeout: float, startup_timeout: float,
-                 started_at: float, poll_interval: float = 1.0) -> None:
+                 started_at: float, poll_interval: float = 1.0, max_remediations: int = 0) -> None:
         super().__init__()
+        self.max_remediations = max_remediations
         self.run_dir = run_dir
         self.world_size = world_size
         self.timeout = timeout
@@ -42,7 +44,7 @@ class HeartbeatTrigger(BaseTrigger):
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "run_dir": self.run_dir, "world_size": self.world_size, "timeout": self.timeout,
             "startup_timeout": self.startup_timeout, "started_at": self.started_at,
-            "poll_interval": self.poll_interval,
+            "poll_interval": self.poll_interval, "max_remediations": self.max_remediations,
         })
 
     def check(self, now: float):
@@ -54,21 +56,45 @@ class HeartbeatTrigger(BaseTrigger):
                         world_size=self.world_size, started_at=self.started_at,
                         policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout))
 
+    def event(self, status: str, verdict: str, message: str, result=None) -> TriggerEvent:
+        return TriggerEvent({
+            "status": status, "verdict": verdict, "message": message,
+            "ranks": list(result.ranks) if result else [],
+            "steps": {str(k): v for k, v in result.steps.items()} if result else {},
+            "run_dir": self.run_dir,
+        })
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        last = None
+        from pathlib import Path
+
+        from trainflow.heartbeat import Verdict
+        from trainflow.remediation import aborted, remediations, request_node_restart
+
+        run_dir, last = Path(self.run_dir), None
         while True:
-            result = await asyncio.to_thread(self.check, time.time())
+            abort = await asyncio.to_thread(aborted, run_dir)
+            if abort is not None:
+                yield self.event("error", "aborted", f"rank {abort.get('rank')} failed in user code: "
+                                 f"{abort.get('message')}")
+                return
+            now = time.time()
+            result = await asyncio.to_thread(self.check, now)
             if result.verdict != last:
                 self.log.info("heartbeats: %s — %s", result.verdict.value, result.message)
                 last = result.verdict
-            if result.terminal:
-                yield TriggerEvent({
-                    "status": "success" if result.verdict.value == "complete" else "error",
-                    "verdict": result.verdict.value, "message": result.message,
-                    "ranks": list(result.ranks), "steps": {str(k): v for k, v in result.steps.items()},
-                    "run_dir": self.run_dir,
-                })
+            if result.verdict == Verdict.COMPLETE:
+                yield self.event("success", result.verdict.value, result.message, result)
                 return
+            if result.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
+                done = await asyncio.to_thread(remediations, run_dir)
+                if done >= self.max_remediations:
+                    yield self.event("error", result.verdict.value,
+                                     f"{result.message}; {done} node replacements already requested "
+                                     f"(budget {self.max_remediations})", result)
+                    return
+                nodes = await asyncio.to_thread(request_node_restart, run_dir, result, now)
+                self.log.warning("hang detected: %s → replacing nodes %s", result.message, nodes)
+                self.started_at = now  # a fresh startup window for the replaced gang
             await asyncio.sleep(self.poll_interval)
 
 
@@ -98,7 +124,8 @@ class HeartbeatSensor(BaseSensorOperator):
             trigger=HeartbeatTrigger(
                 run_dir=self.run_dir, world_size=spec["nodes"] * spec["nproc_per_node"],
                 timeout=spec["heartbeat_timeout"], startup_timeout=spec["startup_timeout"],
-                started_at=time.time(), poll_interval=self.poll_interval),
+                started_at=time.time(), poll_interval=self.poll_interval,
+                max_remediations=spec["retries"] * spec["nodes"]),
             method_name="execute_complete",
         )
 

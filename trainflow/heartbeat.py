@@ -122,14 +122,20 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
         return Classification(Verdict.COMPLETE, f"all {world_size} ranks done", (), steps)
     stalled = []
     for r, b in sorted(beats.items()):
-        if b.get("state") == RankState.DONE.value:
+        state = b.get("state")
+        if state == RankState.DONE.value:
             continue
-        # progress_time: last time the step advanced; a restarted rank starts a new window
-        since = max(float(b.get("progress_time", b.get("time", 0))), started_at)
-        if now - since > policy.timeout:
+        progress = float(b.get("progress_time", b.get("time", 0)))
+        if state in (RankState.STARTING.value, RankState.FAILED.value) or progress < started_at:
+            # Starting up (imports, rendezvous) or not seen progressing since the watch
+            # (re)started: the startup window applies, not the progress timeout.
+            since, limit = max(progress, started_at), policy.startup_timeout
+        else:
+            since, limit = progress, policy.timeout
+        if now - since > limit:
             stalled.append((r, now - since))
     if stalled:
-        desc = ", ".join(f"rank {r} silent/stuck for {age:.1f}s at step {steps[r]}" for r, age in stalled)
+        desc = ", ".join(f"rank {r} without progress for {age:.1f}s at step {steps[r]}" for r, age in stalled)
         return Classification(Verdict.STALLED, f"{desc} (timeout {policy.timeout}s)",
                               tuple(r for r, _ in stalled), steps)
     return Classification(Verdict.HEALTHY, f"{world_size} ranks progressing, "

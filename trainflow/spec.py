@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from trainflow.chips.registry import FAMILIES
 from trainflow.errors import SpecError
+from trainflow.faults import FAULT_SCHEMA, Fault, FaultKind, parse_faults
 
 BUILTIN_WORKLOADS = ("digits", "tinylm")
 STRATEGIES = ("ddp", "fsdp")
@@ -89,10 +90,22 @@ class TrainingSpec:
     tenant: str = field(default="default", metadata=_meta(
         "Tenant", "Owner of the run; lower-case letters, digits and '-'.",
         pattern=NAME_PATTERN, maxLength=63))
+    faults: tuple = field(default=(), metadata=_meta(
+        "Fault schedule", "Faults to inject, to rehearse recovery: a list of "
+        "{kind: kill_rank|kill_node|stop_rank|corrupt_checkpoint|raise, step, rank}. "
+        "Empty for a normal run.", **FAULT_SCHEMA))
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
+            if f.type != "tuple":
+                _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
+        object.__setattr__(self, "faults", parse_faults(self.faults, world_size=self.world_size,
+                                                        steps=self.steps))
+        for i, fault in enumerate(self.faults):
+            if fault.kind == FaultKind.CORRUPT_CHECKPOINT and (
+                    fault.rank != 0 or (fault.step % self.checkpoint_interval and fault.step != self.steps)):
+                raise SpecError(f"faults[{i}]", fault.to_dict(), "corrupt_checkpoint needs rank 0 and a "
+                                f"checkpoint step (a multiple of {self.checkpoint_interval})")
         if self.checkpoint_interval > self.steps:
             raise SpecError("checkpoint_interval", self.checkpoint_interval,
                             f"must be at most steps ({self.steps}); lower it or raise steps")
@@ -127,7 +140,9 @@ class TrainingSpec:
         return cls.from_mapping(json.loads(text))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["faults"] = [f.to_dict() for f in self.faults]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -147,7 +162,7 @@ class TrainingSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-_JSON_TYPES = {"int": "integer", "float": "number", "str": "string"}
+_JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "tuple": "array"}
 
 
 def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> None:
@@ -191,8 +206,9 @@ def param_schema(defaults: Mapping[str, Any] | None = None) -> dict[str, dict[st
     out: dict[str, dict[str, Any]] = {}
     for f in fields(TrainingSpec):
         meta = f.metadata
+        default = getattr(base, f.name)
         out[f.name] = {
-            "default": getattr(base, f.name),
+            "default": [x.to_dict() for x in default] if f.type == "tuple" else default,
             "type": _JSON_TYPES[f.type],
             "title": meta["title"],
             "description": meta["description"],

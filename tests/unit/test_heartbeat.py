@@ -28,6 +28,20 @@ def test_healthy_stalled_complete():
     assert classify(done, now=500, world_size=2, started_at=0, policy=POLICY).verdict == Verdict.COMPLETE
 
 
+def test_starting_ranks_get_the_startup_window():
+    beats = {0: beat(0, 0, "starting", progress=100), 1: beat(1, 5, progress=100)}
+    c = classify(beats, now=130, world_size=2, started_at=99, policy=POLICY)
+    assert c.verdict == Verdict.STALLED and c.ranks == (1,)
+    c = classify(beats, now=161, world_size=2, started_at=99, policy=POLICY)
+    assert c.ranks == (0, 1)
+
+
+def test_after_a_restart_old_heartbeats_get_the_startup_window():
+    beats = {0: beat(0, 40, progress=100)}
+    assert classify(beats, now=150, world_size=1, started_at=120, policy=POLICY).verdict == Verdict.HEALTHY
+    assert classify(beats, now=181, world_size=1, started_at=120, policy=POLICY).verdict == Verdict.STALLED
+
+
 def test_watch_start_opens_a_fresh_window():
     # heartbeats older than the start of watching do not count as a stall right away
     beats = {0: beat(0, 5, progress=10)}

@@ -45,6 +45,44 @@ def launch_config(plan: dict):
     )
 
 
+ABORT_EXIT_CODE = 3
+
+
+def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) -> None:
+    """Stop this agent at once when the run is aborted (a user-code error somewhere).
+
+    torch elastic would otherwise restart the workers, burning restarts on a bug that
+    fails the same way every time.
+    """
+    import threading
+
+    from trainflow.proctree import signal_tree
+
+    def loop() -> None:
+        abort = run_dir / "ABORT"
+        while not abort.exists():
+            time.sleep(0.2)
+        try:
+            reason = json.loads(abort.read_text())
+        except (OSError, ValueError):
+            reason = {"message": "aborted"}
+        write_json_atomic(status_file, {"node": node, "state": "aborted", "pid": os.getpid(),
+                                        "started": started, "ended": time.time(), "error": reason.get("message")})
+        print(f"[node {node}] run aborted by rank {reason.get('rank')}: {reason.get('message')}",
+              file=sys.stderr, flush=True)
+        for child in _children():
+            signal_tree(child)
+        os._exit(ABORT_EXIT_CODE)
+
+    threading.Thread(target=loop, name="abort-watch", daemon=True).start()
+
+
+def _children() -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process().children()]
+
+
 def run(plan_path: Path, node: int) -> int:
     plan = json.loads(Path(plan_path).read_text())
     os.environ.update(agent_env(plan, node))
@@ -53,6 +91,7 @@ def run(plan_path: Path, node: int) -> int:
     started = time.time()
     write_json_atomic(status_file, {"node": node, "state": "running", "pid": os.getpid(),
                                     "started": started})
+    _watch_abort(Path(plan["run_dir"]), node, status_file, started)
     from torch.distributed.launcher.api import elastic_launch
 
     try:

@@ -21,8 +21,13 @@ import traceback
 from pathlib import Path
 
 from trainflow.checkpoint import manifest
+from trainflow.errors import UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.spec import TrainingSpec
+from trainflow.timeline import record
+from trainflow.workspace import write_json_atomic
+
+ABORT_EXIT_CODE = 3
 
 
 def lr_at(spec: TrainingSpec, step: int) -> float:
@@ -84,6 +89,14 @@ def _collate(train, indices, device):
     return tuple(t.to(device) for t in batch) if isinstance(batch, (tuple, list)) else batch.to(device)
 
 
+def user_code(rank: int, fn, *args):
+    """Call workload code; its exceptions become ``UserCodeError`` (never retried)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - classified, the original chained
+        raise UserCodeError(rank, f"{type(exc).__name__}: {exc}") from exc
+
+
 def run(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -91,6 +104,7 @@ def run(run_dir: Path) -> int:
     from trainflow.chips.registry import get_family
     from trainflow.checkpoint import dcp
     from trainflow.data import shard_indices
+    from trainflow.faults import FaultInjector
     from trainflow.workloads import load_workload
 
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
@@ -111,7 +125,8 @@ def run(run_dir: Path) -> int:
     dist.init_process_group(backend=family.composite_backend)
     say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
 
-    workload = load_workload(spec)
+    injector = FaultInjector(spec.faults, run_dir=run_dir, rank=rank)
+    workload = user_code(rank, load_workload, spec)
     model = wrap(workload.model.to(device), spec, workload.shard_modules, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
     ckpt_root = run_dir / "checkpoints"
@@ -128,6 +143,8 @@ def run(run_dir: Path) -> int:
         dcp.load(model, optimizer, choice[0]["path"])
         start = choice[0]["step"]
         say(f"resumed from verified checkpoint step {start} ({choice[0]['path']})")
+        if rank == 0:
+            record(run_dir, "resumed", step=start, checkpoint=choice[0]["path"])
 
     n, window_t, window_s = len(workload.train), time.time(), start
     loss_value, samples_per_s, last_ckpt = float("nan"), 0.0, start
@@ -138,7 +155,8 @@ def run(run_dir: Path) -> int:
         idx = shard_indices(n=n, seed=spec.seed, step=step, batch_size=spec.batch_size,
                             world_size=world, rank=rank)
         model.train()
-        loss = workload.loss(model, _collate(workload.train, idx, device))
+        user_code(rank, injector.before_step, step + 1)
+        loss = user_code(rank, workload.loss, model, _collate(workload.train, idx, device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -155,6 +173,7 @@ def run(run_dir: Path) -> int:
             ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
                            training_hash=thash, keep_last=spec.keep_last)
             last_ckpt = done
+            injector.after_checkpoint(done, Path(ref.path) if ref else None)
             if ref is not None:
                 say(f"step {done}/{spec.steps} loss {loss_value:.4f} checkpoint verified "
                     f"({ref.bytes} bytes, manifest {ref.manifest_sha256[:12]})")
@@ -179,12 +198,22 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.run_dir)
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
         rank = int(os.environ.get("RANK", "-1"))
+        user = isinstance(exc, UserCodeError)
+        error = {"rank": rank, "kind": "user" if user else "infrastructure",
+                 "type": type(exc.__cause__ or exc).__name__, "message": str(exc),
+                 "traceback": traceback.format_exc()[-8000:], "time": time.time()}
         err_dir = args.run_dir / "errors"
         err_dir.mkdir(parents=True, exist_ok=True)
-        (err_dir / f"rank-{rank:05d}.json").write_text(json.dumps({
-            "rank": rank, "type": type(exc).__name__, "message": str(exc),
-            "traceback": traceback.format_exc(), "time": time.time(),
-        }))
+        write_json_atomic(err_dir / f"rank-{rank:05d}.json", error)
+        if user:
+            # A deterministic bug: restarting cannot help. Tell every agent to stop.
+            record(args.run_dir, "user_error", rank=rank, message=str(exc))
+            abort = args.run_dir / "ABORT"
+            if not abort.exists():
+                write_json_atomic(abort, error)
+            print(f"[rank {rank}] user code failed, run aborted:\n{error['traceback']}",
+                  file=sys.stderr, flush=True)
+            return ABORT_EXIT_CODE
         raise
 
 

@@ -1,0 +1,59 @@
+"""Injected faults on real gangs (no Airflow): the run heals itself and ends with the
+same weights as a clean run; a user bug aborts at once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from trainflow.launch.local import run_local
+from trainflow.spec import TrainingSpec
+from trainflow.timeline import read as read_timeline
+from trainflow.worker.evaluate import evaluate
+
+BASE = dict(workload="digits", nodes=2, steps=400, batch_size=16, checkpoint_interval=20,
+            keep_last=3, seed=5)
+
+
+@pytest.fixture(scope="module")
+def clean_digest(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("clean")
+    assert run_local(TrainingSpec(**BASE), run_dir) == [0, 0]
+    return evaluate(run_dir)["weights_sha256"]
+
+
+def _events(run_dir, name):
+    return [e for e in read_timeline(run_dir) if e["event"] == name]
+
+
+def test_killed_rank_restarts_in_node_and_ends_bit_identical(tmp_path, clean_digest):
+    spec = TrainingSpec(**BASE, faults=[{"kind": "kill_rank", "rank": 1, "step": 250}])
+    assert run_local(spec, tmp_path) == [0, 0]  # healed inside the agents: no task failed
+    assert evaluate(tmp_path)["weights_sha256"] == clean_digest
+    (fault,) = _events(tmp_path, "fault_injected")
+    resumed = _events(tmp_path, "resumed")
+    assert fault["kind"] == "kill_rank" and fault["step"] == 250
+    assert resumed and 0 <= fault["step"] - 1 - resumed[-1]["step"] < spec.checkpoint_interval
+
+
+def test_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path, clean_digest):
+    spec = TrainingSpec(**BASE, faults=[{"kind": "corrupt_checkpoint", "rank": 0, "step": 200}])
+    assert run_local(spec, tmp_path) == [0, 0]
+    assert evaluate(tmp_path)["weights_sha256"] == clean_digest
+    resumed = _events(tmp_path, "resumed")
+    assert resumed and resumed[0]["step"] == 180  # step 200 was corrupt: the previous one is used
+
+
+def test_user_bug_aborts_the_run_without_restarts(tmp_path):
+    spec = TrainingSpec(**BASE, faults=[{"kind": "raise", "rank": 1, "step": 30}])
+    t0 = time.time()
+    codes = run_local(spec, tmp_path)
+    assert time.time() - t0 < 60
+    assert set(codes) <= {3} and codes
+    abort = json.loads((tmp_path / "ABORT").read_text())
+    assert abort["rank"] == 1 and abort["kind"] == "user" and abort["type"] == "ValueError"
+    assert "injected user bug at step 30" in abort["message"]
+    assert "Traceback" in abort["traceback"]
+    assert not _events(tmp_path, "resumed")

@@ -1,0 +1,39 @@
+"""The run's fault timeline: an append-only JSON-lines file in the workspace.
+
+Workers, agents and the heartbeat watch append events (fault injected, stall detected,
+node restart requested, resumed ...); the report derives detection and recovery times and
+steps lost from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+MAX_LINE = 4096
+
+
+def record(run_dir: Path, event: str, **fields) -> None:
+    """Append one event (a single O_APPEND write of < 4 KiB, so concurrent writers do not tear)."""
+    line = json.dumps({"time": time.time(), "event": event, **fields}, sort_keys=True)[:MAX_LINE - 1]
+    path = Path(run_dir) / "timeline.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "timeline.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
