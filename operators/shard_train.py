@@ -67,7 +67,8 @@ class ShardTrainOperator(BaseOperator):
             return None
 
         self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
-                                  "--plan", self.plan_path, "--node", str(node)], log=self.log)
+                                  "--plan", self.plan_path, "--node", str(node)], log=self.log,
+                                 env={"TRAINFLOW_NODE_TASK_PID": str(os.getpid())})
         rc = self._agent.run(poll=poll)
         ckpt = newest_verified(run_dir / "checkpoints")
         if ckpt is not None:

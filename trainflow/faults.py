@@ -21,7 +21,7 @@ from trainflow.timeline import record
 
 class FaultKind(str, enum.Enum):
     KILL_RANK = "kill_rank"            # SIGKILL the rank's worker process (process fault)
-    KILL_NODE = "kill_node"            # SIGKILL the node agent and its workers (node fault)
+    KILL_NODE = "kill_node"            # SIGKILL the node's shard_train task (or agent) and its tree
     STOP_RANK = "stop_rank"            # SIGSTOP the rank (a hang: alive but no progress)
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest checkpoint, then kill the rank
     RAISE = "raise"                    # a deterministic user bug: ValueError in the workload
@@ -128,9 +128,12 @@ class FaultInjector:
             elif fault.kind == FaultKind.STOP_RANK:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif fault.kind == FaultKind.KILL_NODE:
-                agent = int(os.environ.get("TRAINFLOW_AGENT_PID", "0"))
-                if agent:
-                    os.kill(agent, signal.SIGKILL)  # workers follow via PDEATHSIG
+                # The node task's process under Airflow, else the agent; the rest of the
+                # tree follows through PDEATHSIG.
+                target = int(os.environ.get("TRAINFLOW_NODE_TASK_PID") or
+                             os.environ.get("TRAINFLOW_AGENT_PID", "0"))
+                if target:
+                    os.kill(target, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def after_checkpoint(self, step: int, checkpoint_dir: Path | None) -> None:

@@ -84,6 +84,11 @@ def _children() -> list[int]:
 
 
 def run(plan_path: Path, node: int) -> int:
+    from trainflow.proctree import die_with_parent
+
+    # The agent lives in its own session; without this it would outlive a killed
+    # shard_train task and keep training beside the task's replacement.
+    die_with_parent(os.getppid())
     plan = json.loads(Path(plan_path).read_text())
     os.environ.update(agent_env(plan, node))
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"

@@ -1,0 +1,67 @@
+"""Chaos on the real embedded stack: each injected fault heals with no human action and
+the final weights equal a clean run's; a user bug fails the run at once, without retries."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+DAG = "train_digits"
+CONF = {"steps": 300, "checkpoint_interval": 50, "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 5.0, "startup_timeout": 120.0, "tenant": "chaos", "seed": 11}
+
+
+def _run(client, run_id, faults=(), timeout=600):
+    client.wait_for_dag(DAG, timeout=120)
+    client.unpause(DAG)
+    client.trigger(DAG, {**CONF, "faults": list(faults)}, run_id=run_id)
+    run = client.wait_run(DAG, run_id, timeout=timeout)
+    tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
+    return run, tis
+
+
+@pytest.fixture(scope="module")
+def clean(client):
+    run, _ = _run(client, "chaos-clean")
+    assert run["state"] == "success"
+    return client.xcom(DAG, "chaos-clean", "evaluate", "metrics")["weights_sha256"]
+
+
+def test_process_fault_heals_inside_the_node_without_airflow_retry(client, clean):
+    run, tis = _run(client, "chaos-kill-rank", [{"kind": "kill_rank", "rank": 1, "step": 120}])
+    assert run["state"] == "success"
+    assert tis[("shard_train", 0)]["try_number"] == tis[("shard_train", 1)]["try_number"] == 1
+    assert client.xcom(DAG, "chaos-kill-rank", "evaluate", "metrics")["weights_sha256"] == clean
+
+
+def test_hang_is_detected_and_the_node_replaced(client, clean):
+    run, tis = _run(client, "chaos-sigstop", [{"kind": "stop_rank", "rank": 1, "step": 120}])
+    assert run["state"] == "success", tis
+    assert tis[("shard_train", 1)]["try_number"] >= 2  # replaced through Airflow's retry
+    assert client.xcom(DAG, "chaos-sigstop", "evaluate", "metrics")["weights_sha256"] == clean
+
+
+def test_corrupt_checkpoint_is_skipped(client, clean):
+    run, _ = _run(client, "chaos-corrupt", [{"kind": "corrupt_checkpoint", "rank": 0, "step": 150}])
+    assert run["state"] == "success"
+    assert client.xcom(DAG, "chaos-corrupt", "evaluate", "metrics")["weights_sha256"] == clean
+
+
+def test_user_bug_fails_at_once_naming_rank_and_exception(client):
+    run, tis = _run(client, "chaos-user-bug", [{"kind": "raise", "rank": 1, "step": 40}], timeout=180)
+    assert run["state"] == "failed"
+    failed = [t for k, t in tis.items() if k[0] == "shard_train" and t["state"] == "failed"]
+    assert failed and all(t["try_number"] == 1 for t in failed)  # no retries burnt
+    log = client.task_log(DAG, "chaos-user-bug", "shard_train", 1, map_index=failed[0]["map_index"])
+    assert "rank 1 failed in user code, not retried" in log
+    assert "injected user bug at step 40" in log
+    assert tis[("heartbeat_watch", -1)]["state"] == "failed"
+
+
+@pytest.mark.parametrize("node", [1, 0], ids=["node-1", "rank-0-node"])
+def test_killed_node_task_is_replaced_by_airflow_retry(client, clean, node):
+    run_id = f"chaos-kill-node-{node}"
+    run, tis = _run(client, run_id, [{"kind": "kill_node", "rank": node, "step": 120}])
+    assert run["state"] == "success", tis
+    assert tis[("shard_train", node)]["try_number"] >= 2
+    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
