@@ -166,6 +166,22 @@ class EmbeddedStack:
         self.start()
         self.wait_healthy(timeout)
 
+    def stop_component(self, component: str, grace: float = 15) -> bool:
+        """SIGTERM one component (then SIGKILL after ``grace``); True if it was running."""
+        from trainflow.proctree import signal_tree
+
+        pid = self.pid(component)
+        if pid is None:
+            return False
+        signal_tree(pid, signal.SIGTERM)
+        deadline = time.time() + grace
+        while time.time() < deadline and self.pid(component):
+            time.sleep(0.2)
+        if (pid := self.pid(component)) is not None:
+            signal_tree(pid, signal.SIGKILL)
+        self._pidfile(component).unlink(missing_ok=True)
+        return True
+
     def stop(self, grace: float = 15) -> list[str]:
         """SIGTERM every component's process tree, then SIGKILL what is left."""
         from trainflow.proctree import signal_tree

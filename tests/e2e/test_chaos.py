@@ -65,3 +65,34 @@ def test_killed_node_task_is_replaced_by_airflow_retry(client, clean, node):
     assert run["state"] == "success", tis
     assert tis[("shard_train", node)]["try_number"] >= 2
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
+
+
+def test_scheduler_stop_and_restart_mid_run(client, stack, clean):
+    import time
+
+    from trainflow.heartbeat import read_all
+
+    long_conf = {**CONF, "steps": 3000, "checkpoint_interval": 250}
+    client.unpause(DAG)
+    client.trigger(DAG, long_conf, run_id="chaos-clean-long")
+    assert client.wait_run(DAG, "chaos-clean-long", timeout=600)["state"] == "success"
+    clean_long = client.xcom(DAG, "chaos-clean-long", "evaluate", "metrics")["weights_sha256"]
+    run_id = "chaos-scheduler-restart"
+    client.trigger(DAG, long_conf, run_id=run_id)
+    deadline = time.time() + 180
+    run_dir = None
+    while time.time() < deadline:  # wait until training is under way
+        tis = {t["task_id"]: t["state"] for t in client.task_instances(DAG, run_id)}
+        if tis.get("provision") == "success":
+            run_dir = client.xcom(DAG, run_id, "provision", "run_dir")
+            beats = read_all(f"{run_dir}/heartbeats")
+            if beats and min(b["step"] for b in beats.values()) > 600:
+                break
+        time.sleep(0.5)
+    assert run_dir is not None
+    assert stack.stop_component("scheduler")
+    time.sleep(5)
+    stack.start()
+    run = client.wait_run(DAG, run_id, timeout=900)
+    assert run["state"] == "success"
+    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
