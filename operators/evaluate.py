@@ -41,7 +41,14 @@ class EvaluateOperator(BaseOperator):
             raise AirflowException(f"evaluation exited with code {rc}")
         result = json.loads((Path(self.run_dir) / "metrics.json").read_text())
         checkpoint = context["ti"].xcom_pull(task_ids="checkpoint_sync", key="checkpoint")
-        report = write_report(self.run_dir, build_report(self.run_dir, metrics=result, checkpoint=checkpoint))
+        built = build_report(self.run_dir, metrics=result, checkpoint=checkpoint)
+        report = write_report(self.run_dir, built)
+        if built.get("goodput"):
+            context["ti"].xcom_push(key="goodput", value=built["goodput"])
+            for f in built["goodput"]["faults"]:
+                self.log.info("fault %s at step %s: detected after %ss, training resumed after %ss "
+                              "from step %s, %s steps lost", f["kind"], f.get("step"), f.get("detection_s"),
+                              f.get("recovery_s"), f.get("resumed_from_step"), f.get("steps_lost"))
         self.log.info("metrics %s; report %s", json.dumps(result["metrics"]), report)
         metrics = {**result["metrics"], "step": result["step"], "weights_sha256": result["weights_sha256"],
                    "target_met": result.get("target", {}).get("met"), "report": str(report)}

@@ -15,8 +15,27 @@ import sys
 import time
 from pathlib import Path
 
+from trainflow import timeline
 from trainflow.heartbeat import read_all
 from trainflow.stack import EmbeddedStack
+
+DEMO_CONF = {"nodes": 2, "steps": 300, "checkpoint_interval": 50,
+             "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0,
+             # one injected fault, to show self-healing: rank 1 is killed with SIGKILL
+             "faults": [{"kind": "kill_rank", "rank": 1, "step": 120}]}
+
+
+def describe(event: dict) -> str:
+    kind = event["event"]
+    if kind == "fault_injected":
+        return f"FAULT     {event['kind']} on rank {event['rank']} at step {event['step']}"
+    if kind == "stall_detected":
+        return f"DETECTED  {event['message']} → replacing nodes {event['nodes']}"
+    if kind == "resumed":
+        return f"RESUMED   the gang restarted together from verified checkpoint step {event['step']}"
+    if kind == "user_error":
+        return f"USER BUG  rank {event['rank']}: {event['message']} (run aborted, no retries)"
+    return json.dumps(event)
 
 
 def _stack(port: int) -> EmbeddedStack:
@@ -40,10 +59,10 @@ def progress_line(beats: dict[int, dict], world: int) -> str:
 
 def watch(client, dag_id: str, run_id: str, *, timeout: float, out=sys.stdout) -> dict:
     """Print task transitions and training progress until the run ends."""
-    start, seen, run_dir, world, last_line = time.time(), {}, None, 0, ""
+    start, seen, run_dir, world, last_line, shown = time.time(), {}, None, 0, "", 0
 
     def on_poll(run: dict) -> None:
-        nonlocal run_dir, world, last_line
+        nonlocal run_dir, world, last_line, shown
         for ti in sorted(client.task_instances(dag_id, run_id), key=lambda t: (t["task_id"], t["map_index"])):
             key = (ti["task_id"], ti["map_index"])
             if ti["state"] and seen.get(key) != ti["state"]:
@@ -54,6 +73,10 @@ def watch(client, dag_id: str, run_id: str, *, timeout: float, out=sys.stdout) -
             run_dir = Path(client.xcom(dag_id, run_id, "provision", "run_dir"))
             world = client.xcom(dag_id, run_id, "provision", "plan")["world_size"]
         if run_dir is not None:
+            events = timeline.read(run_dir)
+            for event in events[shown:]:
+                print(f"[{time.time() - start:6.1f}s] ! {describe(event)}", file=out, flush=True)
+            shown = len(events)
             line = progress_line(read_all(run_dir / "heartbeats"), world)
             if line != last_line:
                 print(f"[{time.time() - start:6.1f}s]   {line}", file=out, flush=True)
@@ -85,6 +108,12 @@ def demo(args) -> int:
         print(f"metrics    {json.dumps(shown)}")
         print(f"checkpoint step {ckpt['step']} verified ({ckpt['bytes']:,} bytes) {ckpt['path']}")
         print(f"report     {metrics['report']}")
+        report = json.loads(Path(metrics["report"]).read_text())
+        for f in (report.get("goodput") or {}).get("faults", []):
+            print(f"healed     {f['kind']} at step {f.get('step')}: training resumed {f.get('recovery_s')}s "
+                  f"later from step {f.get('resumed_from_step')}, {f.get('steps_lost')} steps redone")
+        if report.get("goodput"):
+            print(f"goodput    {report['goodput']['goodput']:.1%} of {report['goodput']['wall_s']:.1f}s")
     print(f"\nAirflow UI {stack.url}/dags/{args.dag}   login: {user} / {password}")
     print("stop everything with: scripts/demo stop")
     return 0 if final["state"] == "success" else 1
@@ -95,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", nargs="?", default="run", choices=["run", "up", "stop", "status"])
     parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINFLOW_PORT", "8080")))
     parser.add_argument("--dag", default="train_digits")
-    parser.add_argument("--conf", default=json.dumps({"nodes": 2, "steps": 300, "checkpoint_interval": 50}))
+    parser.add_argument("--conf", default=json.dumps(DEMO_CONF))
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
     stack = _stack(args.port)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainflow.goodput import summarize
 from trainflow.heartbeat import read_all
 from trainflow.workspace import write_json_atomic
 
@@ -21,8 +22,13 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
         nodes[str(status["node"])] = status
     errors = [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank-*.json"))] \
         if (run_dir / "errors").is_dir() else []
+    starts = [float(n["started"]) for n in nodes.values() if "started" in n]
+    ends = [float(n["ended"]) for n in nodes.values() if "ended" in n]
+    goodput = summarize(run_dir, started=min(starts), ended=max(ends),
+                        steps=int(plan["spec"]["steps"])) if starts and ends else None
     return {
         "generated": time.time(),
+        "goodput": goodput,
         "dag_id": plan["dag_id"],
         "run_id": plan["run_id"],
         "tenant": plan["tenant"],

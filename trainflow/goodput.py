@@ -1,0 +1,48 @@
+"""Goodput accounting from the run's timeline: per fault, when it happened, when it was
+detected, when training resumed and how many steps were lost; and the share of the run's
+wall time that went into training that was kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainflow import timeline
+
+
+def fault_records(events: list[dict]) -> list[dict]:
+    """Pair each fault (injected or detected) with the next resume after it."""
+    out: list[dict] = []
+    for e in events:
+        if e["event"] in ("fault_injected", "stall_detected", "user_error"):
+            if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1]:
+                out[-1]["detected_time"] = e["time"]  # the watch detected the injected fault
+                out[-1]["detection_s"] = round(e["time"] - out[-1]["time"], 3)
+                continue
+            out.append({"kind": e.get("kind", e["event"]), "time": e["time"], "step": e.get("step"),
+                        **({"detected_time": e["time"], "detection_s": 0.0}
+                           if e["event"] == "stall_detected" else {})})
+        elif e["event"] == "resumed":
+            for rec in out:
+                if "resumed_time" not in rec and rec["time"] <= e["time"]:
+                    rec["resumed_time"] = e["time"]
+                    rec["recovery_s"] = round(e["time"] - rec["time"], 3)
+                    rec["resumed_from_step"] = e["step"]
+                    if rec.get("step") is not None:
+                        rec["steps_lost"] = max(0, rec["step"] - 1 - e["step"])
+    return out
+
+
+def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dict:
+    """Fault timeline and goodput of a finished run.
+
+    goodput = 1 − (time spent recovering + time spent redoing lost steps) / wall time,
+    with the step time taken from the run itself.
+    """
+    faults = fault_records(timeline.read(run_dir))
+    wall = max(ended - started, 1e-9)
+    recovering = sum(f.get("recovery_s", 0.0) for f in faults)
+    lost = sum(f.get("steps_lost", 0) for f in faults)
+    step_time = max(wall - recovering, 0.0) / max(steps + lost, 1)
+    wasted = recovering + lost * step_time
+    return {"faults": faults, "wall_s": round(wall, 3), "recovery_s": round(recovering, 3),
+            "steps_lost": lost, "goodput": round(max(0.0, 1 - wasted / wall), 4)}
