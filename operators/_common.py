@@ -95,7 +95,8 @@ def read_abort(run_dir: str | Path) -> dict | None:
 
 
 def abort_message(abort: dict) -> str:
-    return (f"rank {abort.get('rank')} failed in user code, not retried: {abort.get('message')}\n"
+    what = "failed in user code" if abort.get("kind") == "user" else "stopped the run"
+    return (f"rank {abort.get('rank')} {what}, not retried: {abort.get('message')}\n"
             f"{abort.get('traceback', '')}")
 
 

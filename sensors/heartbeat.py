@@ -30,9 +30,11 @@ class HeartbeatTrigger(BaseTrigger):
     """
 
     def __init__(self, *, run_dir: str, world_size: int, timeout: float, startup_timeout: float,
-                 started_at: float, poll_interval: float = 1.0, max_remediations: int = 0) -> None:
+                 started_at: float, poll_interval: float = 1.0, max_remediations: int = 0,
+                 straggler_margin: float = 0.5) -> None:
         super().__init__()
         self.max_remediations = max_remediations
+        self.straggler_margin = straggler_margin
         self.run_dir = run_dir
         self.world_size = world_size
         self.timeout = timeout
@@ -45,6 +47,7 @@ class HeartbeatTrigger(BaseTrigger):
             "run_dir": self.run_dir, "world_size": self.world_size, "timeout": self.timeout,
             "startup_timeout": self.startup_timeout, "started_at": self.started_at,
             "poll_interval": self.poll_interval, "max_remediations": self.max_remediations,
+            "straggler_margin": self.straggler_margin,
         })
 
     def check(self, now: float):
@@ -55,6 +58,25 @@ class HeartbeatTrigger(BaseTrigger):
         return classify(read_all(Path(self.run_dir) / "heartbeats"), now=now,
                         world_size=self.world_size, started_at=self.started_at,
                         policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout))
+
+    def watch_stragglers(self, run_dir, suspects: dict[int, int], reported: set[int]) -> None:
+        """Report a rank flagged as a straggler in 3 consecutive polls (once per rank)."""
+        from trainflow.heartbeat import find_stragglers, read_all
+        from trainflow.timeline import record
+
+        found = {s["rank"]: s for s in find_stragglers(read_all(run_dir / "heartbeats"),
+                                                        margin=self.straggler_margin)}
+        for rank in list(suspects):
+            if rank not in found:
+                del suspects[rank]
+        for rank, info in found.items():
+            suspects[rank] = suspects.get(rank, 0) + 1
+            if suspects[rank] >= 3 and rank not in reported:
+                reported.add(rank)
+                self.log.warning("straggler: rank %d on node %s computes %.2f ms/step, %.0f%% slower "
+                                 "than the median of its peers (%.2f ms)", rank, info["node"],
+                                 info["compute_ms"], 100 * info["slower_by"], info["median_ms"])
+                record(run_dir, "straggler", **info)
 
     def event(self, status: str, verdict: str, message: str, result=None) -> TriggerEvent:
         return TriggerEvent({
@@ -71,11 +93,14 @@ class HeartbeatTrigger(BaseTrigger):
         from trainflow.remediation import aborted, remediations, request_node_restart
 
         run_dir, last = Path(self.run_dir), None
+        suspects: dict[int, int] = {}  # rank → consecutive polls flagged
+        reported: set[int] = set()
         while True:
+            await asyncio.to_thread(self.watch_stragglers, run_dir, suspects, reported)
             abort = await asyncio.to_thread(aborted, run_dir)
             if abort is not None:
-                yield self.event("error", "aborted", f"rank {abort.get('rank')} failed in user code: "
-                                 f"{abort.get('message')}")
+                yield self.event("error", "aborted", f"run aborted by rank {abort.get('rank')} "
+                                 f"({abort.get('kind')}): {abort.get('message')}")
                 return
             now = time.time()
             result = await asyncio.to_thread(self.check, now)
@@ -125,7 +150,8 @@ class HeartbeatSensor(BaseSensorOperator):
                 run_dir=self.run_dir, world_size=spec["nodes"] * spec["nproc_per_node"],
                 timeout=spec["heartbeat_timeout"], startup_timeout=spec["startup_timeout"],
                 started_at=time.time(), poll_interval=self.poll_interval,
-                max_remediations=spec["retries"] * spec["nodes"]),
+                max_remediations=spec["retries"] * spec["nodes"],
+                straggler_margin=spec["straggler_margin"]),
             method_name="execute_complete",
         )
 
@@ -135,4 +161,10 @@ class HeartbeatSensor(BaseSensorOperator):
         if event["status"] != "success":
             raise AirflowException(f"heartbeat watch: {event['verdict']}: {event['message']}")
         self.log.info("heartbeat watch: %s", event["message"])
-        return {"verdict": event["verdict"], "steps": event["steps"]}
+        from pathlib import Path
+
+        from trainflow.timeline import read
+
+        stragglers = [{k: v for k, v in e.items() if k != "event"}
+                      for e in read(Path(self.run_dir)) if e["event"] == "straggler"]
+        return {"verdict": event["verdict"], "steps": event["steps"], "stragglers": stragglers}

@@ -31,8 +31,12 @@ def describe(event: dict) -> str:
         return f"FAULT     {event['kind']} on rank {event['rank']} at step {event['step']}"
     if kind == "stall_detected":
         return f"DETECTED  {event['message']} → replacing nodes {event['nodes']}"
+    if kind == "gang_start":
+        return f"GANG      all ranks (re)started at step {event['step']}"
     if kind == "resumed":
         return f"RESUMED   the gang restarted together from verified checkpoint step {event['step']}"
+    if kind == "crash_loop":
+        return f"STOPPED   {event['message']}"
     if kind == "user_error":
         return f"USER BUG  rank {event['rank']}: {event['message']} (run aborted, no retries)"
     return json.dumps(event)

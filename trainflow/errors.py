@@ -59,3 +59,7 @@ class UserCodeError(WorkerFailedError):
 
 class CheckpointError(TrainingError):
     """A checkpoint could not be written, read or verified."""
+
+
+class CrashLoopError(TrainingError):
+    """The gang keeps restarting from the same checkpoint: stop instead of retrying."""

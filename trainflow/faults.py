@@ -25,6 +25,8 @@ class FaultKind(str, enum.Enum):
     STOP_RANK = "stop_rank"            # SIGSTOP the rank (a hang: alive but no progress)
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest checkpoint, then kill the rank
     RAISE = "raise"                    # a deterministic user bug: ValueError in the workload
+    CRASH_RANK = "crash_rank"          # SIGKILL the rank every time it reaches the step (crash loop)
+    SLOW_RANK = "slow_rank"            # from the step on, the rank computes 4× slower (a straggler)
 
 
 ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT}
@@ -100,6 +102,15 @@ class FaultInjector:
     def __init__(self, faults: Iterable[Fault], *, run_dir: Path, rank: int) -> None:
         self.run_dir, self.rank = Path(run_dir), rank
         self.pending = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
+        self.slow_from = min((f.step for f in faults if f.rank == rank and f.kind == FaultKind.SLOW_RANK),
+                             default=None)
+
+    def slowdown(self, step: int, compute_s: float) -> None:
+        """Stretch this step's compute time when a slow_rank fault is active."""
+        if self.slow_from is not None and step >= self.slow_from:
+            import time
+
+            time.sleep(3 * compute_s + 0.002)
 
     def _claim(self, index: int) -> bool:
         """Create the fault's marker atomically; False if it already fired."""
@@ -115,10 +126,13 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Fire faults scheduled at ``step`` (called before the step trains)."""
         for index, fault in self.pending:
-            if fault.step != step or fault.kind == FaultKind.CORRUPT_CHECKPOINT:
+            if fault.step != step or fault.kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.SLOW_RANK):
                 continue
             if fault.kind == FaultKind.RAISE:
                 raise ValueError(f"injected user bug at step {step} on rank {self.rank}")
+            if fault.kind == FaultKind.CRASH_RANK:
+                record(self.run_dir, "fault_injected", kind=fault.kind.value, step=step, rank=self.rank)
+                os.kill(os.getpid(), signal.SIGKILL)
             if not self._claim(index):
                 continue
             print(f"[rank {self.rank}] FAULT INJECTED: {fault.kind.value} at step {step}", flush=True)

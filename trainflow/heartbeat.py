@@ -140,3 +140,28 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
                               tuple(r for r, _ in stalled), steps)
     return Classification(Verdict.HEALTHY, f"{world_size} ranks progressing, "
                           f"steps {min(steps.values())}..{max(steps.values())}", (), steps)
+
+
+def find_stragglers(beats: dict[int, dict], *, margin: float) -> list[dict]:
+    """Ranks whose compute time per step exceeds the median of the others by ``margin``.
+
+    In synchronous training every rank advances at the slowest rank's pace, so step rates
+    cannot show a straggler; each rank's own compute time (forward, before it waits in
+    the gradient all-reduce) can. Pure.
+
+    Returns:
+        ``[{"rank", "node", "compute_ms", "median_ms", "slower_by"}]`` for each straggler.
+    """
+    times = {r: float(b["compute_ms"]) for r, b in beats.items()
+             if b.get("state") == RankState.TRAINING.value and b.get("compute_ms")}
+    out = []
+    for r, t in sorted(times.items()):
+        others = sorted(v for k, v in times.items() if k != r)
+        if not others:
+            continue
+        mid = len(others) // 2
+        median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+        if median > 0 and t > (1 + margin) * median:
+            out.append({"rank": r, "node": beats[r].get("node"), "compute_ms": round(t, 3),
+                        "median_ms": round(median, 3), "slower_by": round(t / median - 1, 3)})
+    return out

@@ -20,7 +20,7 @@ def rendezvous_id(tenant: str, dag_id: str, run_id: str, attempt: int = 0) -> st
 
 def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
                rdzv_host: str, rdzv_port: int, env: dict[str, str] | None = None,
-               max_restarts: int = 3) -> dict[str, Any]:
+               max_restarts: int | None = None) -> dict[str, Any]:
     """Lay ``spec`` out over its nodes.
 
     Args:
@@ -29,7 +29,8 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
         run_dir: the run's workspace directory.
         rdzv_host, rdzv_port: where the gang's rendezvous store listens.
         env: extra environment for the node agents and workers (e.g. GLOO_SOCKET_IFNAME).
-        max_restarts: in-node worker restarts the agent may do before it fails.
+        max_restarts: in-node worker restarts the agent may do before it fails (default:
+            two more than the crash-loop limit, so the crash-loop check decides first).
 
     Returns:
         A JSON-serialisable plan; ``plan["nodes"][i]`` describes node i.
@@ -44,7 +45,7 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
         "spec": spec.to_dict(),
         "world_size": spec.world_size,
         "queue": queue,
-        "max_restarts": max_restarts,
+        "max_restarts": spec.crash_loop_limit + 2 if max_restarts is None else max_restarts,
         "env": dict(env or {}),
         "rendezvous": {
             "backend": "c10d",

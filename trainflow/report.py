@@ -9,6 +9,7 @@ from typing import Any
 
 from trainflow.goodput import summarize
 from trainflow.heartbeat import read_all
+from trainflow.timeline import read as timeline_read
 from trainflow.workspace import write_json_atomic
 
 
@@ -40,6 +41,8 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
                   for r, b in sorted(beats.items())},
         "checkpoint": checkpoint,
         "metrics": metrics,
+        "stragglers": [{k: v for k, v in e.items() if k != "event"}
+                       for e in timeline_read(run_dir) if e["event"] == "straggler"],
         "errors": [{k: e.get(k) for k in ("rank", "type", "message")} for e in errors],
     }
 

@@ -70,6 +70,9 @@ class TrainingSpec:
     checkpoint_interval: int = field(default=50, metadata=_meta(
         "Checkpoint interval", "Save a sharded checkpoint every this many steps (≤ steps).",
         minimum=1, maximum=10_000_000))
+    checkpoint_mode: str = field(default="async", metadata=_meta(
+        "Checkpoint mode", "async: training stalls only for the in-memory copy while a "
+        "background thread writes; sync: training waits for the write.", enum=["async", "sync"]))
     keep_last: int = field(default=3, metadata=_meta(
         "Keep last K", "Verified checkpoints kept; older ones are pruned.", minimum=1, maximum=100))
     heartbeat_interval: float = field(default=1.0, metadata=_meta(
@@ -81,6 +84,12 @@ class TrainingSpec:
     startup_timeout: float = field(default=300.0, metadata=_meta(
         "Startup timeout (s)", "Longest wait for the first heartbeat of every rank.",
         minimum=5, maximum=7200))
+    straggler_margin: float = field(default=0.5, metadata=_meta(
+        "Straggler margin", "A rank whose compute time per step exceeds the median of its "
+        "peers by more than this fraction is reported as a straggler.", minimum=0.05, maximum=100))
+    crash_loop_limit: int = field(default=3, metadata=_meta(
+        "Crash-loop limit", "Restarts from the same checkpoint after which the run stops "
+        "with a clear error instead of retrying.", minimum=1, maximum=100))
     retries: int = field(default=2, metadata=_meta(
         "Retries", "Airflow retries of a node task after an infrastructure failure.",
         minimum=0, maximum=10))

@@ -57,3 +57,27 @@ def test_user_bug_aborts_the_run_without_restarts(tmp_path):
     assert "injected user bug at step 30" in abort["message"]
     assert "Traceback" in abort["traceback"]
     assert not _events(tmp_path, "resumed")
+
+
+def test_crash_loop_stops_with_a_clear_error(tmp_path):
+    spec = TrainingSpec(**{**BASE, "crash_loop_limit": 2},
+                        faults=[{"kind": "crash_rank", "rank": 1, "step": 30}])
+    codes = run_local(spec, tmp_path)
+    assert codes and set(codes) == {3}
+    abort = json.loads((tmp_path / "ABORT").read_text())
+    assert abort["kind"] == "crash_loop" and "restarted 2 times from step 20" in abort["message"]
+    starts = [e["step"] for e in _events(tmp_path, "gang_start")]
+    assert starts == [0, 20, 20, 20]
+
+
+def test_slow_rank_shows_as_straggler_in_its_heartbeats(tmp_path, clean_digest):
+    from trainflow.heartbeat import RankState, find_stragglers, read_all
+
+    spec = TrainingSpec(**BASE, faults=[{"kind": "slow_rank", "rank": 1, "step": 10}])
+    assert run_local(spec, tmp_path) == [0, 0]
+    beats = read_all(tmp_path / "heartbeats")
+    for b in beats.values():  # the last heartbeat while training carries the compute time
+        b["state"] = RankState.TRAINING.value
+    (s,) = find_stragglers(beats, margin=spec.straggler_margin)
+    assert s["rank"] == 1 and s["slower_by"] > 1.0
+    assert evaluate(tmp_path)["weights_sha256"] == clean_digest  # slow, not wrong

@@ -20,6 +20,7 @@ CASES = {
     "ddp-2x1": dict(nodes=2, nproc_per_node=1, strategy="ddp"),
     "ddp-1x3": dict(nodes=1, nproc_per_node=3, strategy="ddp"),
     "fsdp-2x1": dict(nodes=2, nproc_per_node=1, strategy="fsdp"),
+    "ddp-2x1-sync-checkpoints": dict(nodes=2, nproc_per_node=1, strategy="ddp", checkpoint_mode="sync"),
 }
 
 

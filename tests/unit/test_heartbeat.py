@@ -56,3 +56,13 @@ def test_writer_throttles_but_writes_state_changes(tmp_path):
     w.beat(step=10, total=10, state=RankState.DONE)
     got = read_all(tmp_path)[3]
     assert got["state"] == "done" and got["step"] == 10 and got["node"] == 1
+
+
+def test_find_stragglers_uses_compute_time_not_step_rate():
+    from trainflow.heartbeat import find_stragglers
+
+    beats = {r: {**beat(r, 50), "node": r // 2, "compute_ms": ms} for r, ms in enumerate([2.0, 2.2, 1.9, 7.5])}
+    (s,) = find_stragglers(beats, margin=0.5)
+    assert s["rank"] == 3 and s["node"] == 1 and s["median_ms"] == 2.0 and s["slower_by"] == 2.75
+    assert find_stragglers(beats, margin=5.0) == []
+    assert find_stragglers({0: beats[0]}, margin=0.5) == []

@@ -30,7 +30,7 @@ def embedded_env() -> dict[str, str]:
 
 
 def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
-            run_id: str = "local", max_restarts: int = 3) -> Path:
+            run_id: str = "local", max_restarts: int | None = None) -> Path:
     """Write spec.json and plan.json into ``run_dir``; return the plan's path."""
     run_dir = Path(run_dir).resolve()
     for sub in ("checkpoints", "heartbeats", "logs"):

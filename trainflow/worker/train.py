@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from trainflow.checkpoint import manifest
-from trainflow.errors import UserCodeError
+from trainflow.errors import CrashLoopError, UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
@@ -138,16 +138,35 @@ def run(run_dir: Path) -> int:
         ref = manifest.newest_verified(ckpt_root, training_hash=thash, world_size=world)
         choice = [ref.to_dict() if ref else None]
     dist.broadcast_object_list(choice, src=0)
-    start = 0
+    start = choice[0]["step"] if choice[0] else 0
+    if rank == 0:
+        from trainflow import timeline
+
+        earlier = [e for e in timeline.read(run_dir) if e["event"] == "gang_start" and e["step"] == start]
+        record(run_dir, "gang_start", step=start)
+        if len(earlier) >= spec.crash_loop_limit:
+            raise CrashLoopError(f"crash loop: the gang restarted {len(earlier)} times from step {start} "
+                                 f"without reaching a newer checkpoint (crash_loop_limit="
+                                 f"{spec.crash_loop_limit}); stopping instead of retrying")
     if choice[0]:
         dcp.load(model, optimizer, choice[0]["path"])
-        start = choice[0]["step"]
         say(f"resumed from verified checkpoint step {start} ({choice[0]['path']})")
         if rank == 0:
             record(run_dir, "resumed", step=start, checkpoint=choice[0]["path"])
 
+    committed: list = []
+    checkpointer = None
+    if spec.checkpoint_mode == "async":
+        def on_error(step: int, exc: BaseException) -> None:
+            say(f"WARNING checkpoint of step {step} failed ({type(exc).__name__}: {exc}); "
+                f"the previous verified checkpoint stays the newest")
+            record(run_dir, "checkpoint_failed", step=step, rank=rank, error=f"{type(exc).__name__}: {exc}")
+
+        checkpointer = dcp.AsyncCheckpointer(root=ckpt_root, world_size=world, training_hash=thash,
+                                             keep_last=spec.keep_last, on_commit=committed.append,
+                                             on_error=on_error)
     n, window_t, window_s = len(workload.train), time.time(), start
-    loss_value, samples_per_s, last_ckpt = float("nan"), 0.0, start
+    loss_value, samples_per_s, last_ckpt, compute_ewma = float("nan"), 0.0, start, None
     for step in range(start, spec.steps):
         torch.manual_seed(step_seed(spec.seed, rank, step))
         for group in optimizer.param_groups:
@@ -156,29 +175,49 @@ def run(run_dir: Path) -> int:
                             world_size=world, rank=rank)
         model.train()
         user_code(rank, injector.before_step, step + 1)
+        t_compute = time.perf_counter()
         loss = user_code(rank, workload.loss, model, _collate(workload.train, idx, device))
+        injector.slowdown(step + 1, time.perf_counter() - t_compute)
+        compute_ms = 1000 * (time.perf_counter() - t_compute)
+        compute_ewma = compute_ms if compute_ewma is None else 0.9 * compute_ewma + 0.1 * compute_ms
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         done = step + 1
         loss_value = float(loss.detach())
+        if step == start and rank == 0:
+            record(run_dir, "first_step", step=done)
         if time.time() - window_t >= spec.heartbeat_interval:
             samples_per_s = (done - window_s) * spec.batch_size / (time.time() - window_t)
             window_t, window_s = time.time(), done
         beat.beat(step=done, total=spec.steps, state=RankState.TRAINING, loss=loss_value,
-                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt)
+                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma)
         if done % spec.checkpoint_interval == 0 or done == spec.steps:
             beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
                       checkpoint_step=last_ckpt, force=True)
-            ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
-                           training_hash=thash, keep_last=spec.keep_last)
+            t_save = time.perf_counter()
+            if checkpointer is not None:
+                checkpointer.save(model, optimizer, step=done)
+            else:
+                ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
+                               training_hash=thash, keep_last=spec.keep_last)
+                committed.append(ref) if ref is not None else None
+            stall_ms = 1000 * (time.perf_counter() - t_save)
             last_ckpt = done
-            injector.after_checkpoint(done, Path(ref.path) if ref else None)
-            if ref is not None:
-                say(f"step {done}/{spec.steps} loss {loss_value:.4f} checkpoint verified "
-                    f"({ref.bytes} bytes, manifest {ref.manifest_sha256[:12]})")
+            if rank == 0:
+                record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode,
+                       stall_ms=round(stall_ms, 3))
+        while committed:
+            ref = committed.pop(0)
+            injector.after_checkpoint(ref.step, Path(ref.path))
+            say(f"step {ref.step}/{spec.steps} checkpoint verified ({ref.bytes} bytes, "
+                f"manifest {ref.manifest_sha256[:12]})")
+    if checkpointer is not None:
+        checkpointer.close()
+        for ref in committed:
+            injector.after_checkpoint(ref.step, Path(ref.path))
     beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
-              samples_per_s=samples_per_s, checkpoint_step=last_ckpt, force=True)
+              samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma, force=True)
     # Free model, optimizer and data before tearing the group down: workers otherwise
     # hang at exit in a fraction of runs (DESIGN.md §2).
     del model, optimizer, workload
@@ -199,19 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
         rank = int(os.environ.get("RANK", "-1"))
         user = isinstance(exc, UserCodeError)
-        error = {"rank": rank, "kind": "user" if user else "infrastructure",
+        fatal = user or isinstance(exc, CrashLoopError)
+        kind = "user" if user else "crash_loop" if fatal else "infrastructure"
+        error = {"rank": rank, "kind": kind,
                  "type": type(exc.__cause__ or exc).__name__, "message": str(exc),
                  "traceback": traceback.format_exc()[-8000:], "time": time.time()}
         err_dir = args.run_dir / "errors"
         err_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(err_dir / f"rank-{rank:05d}.json", error)
-        if user:
-            # A deterministic bug: restarting cannot help. Tell every agent to stop.
-            record(args.run_dir, "user_error", rank=rank, message=str(exc))
+        if fatal:
+            # A deterministic bug or a crash loop: restarting cannot help. Stop every agent.
+            record(args.run_dir, "user_error" if user else "crash_loop", rank=rank, message=str(exc))
             abort = args.run_dir / "ABORT"
             if not abort.exists():
                 write_json_atomic(abort, error)
-            print(f"[rank {rank}] user code failed, run aborted:\n{error['traceback']}",
+            print(f"[rank {rank}] {kind} failure, run aborted:\n{error['traceback']}",
                   file=sys.stderr, flush=True)
             return ABORT_EXIT_CODE
         raise

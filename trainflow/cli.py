@@ -1,0 +1,96 @@
+"""``trainflow`` command line.
+
+    trainflow train SPEC.json RUN_DIR      train a spec on this machine, no Airflow
+    trainflow evaluate RUN_DIR             score a run's newest verified checkpoint
+    trainflow chaos RUN_DIR --kill-rank R  inject a fault into a running run (rehearsal)
+    trainflow validate SPEC.json           check a spec; exit 2 with the field, value and fix
+
+Exit codes: 0 success, 1 the run failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from trainflow.errors import SpecError
+
+_SIGNALS = {"kill_rank": signal.SIGKILL, "stop_rank": signal.SIGSTOP, "cont_rank": signal.SIGCONT}
+
+
+def _spec(path: str):
+    from trainflow.spec import TrainingSpec
+
+    return TrainingSpec.from_mapping(json.loads(Path(path).read_text()))
+
+
+def chaos(run_dir: Path, action: str, rank: int) -> dict:
+    """Signal one rank of a running run, found through its heartbeat (same host only).
+
+    Raises:
+        SpecError: no such rank, or the run is not on this host.
+    """
+    from trainflow.heartbeat import read_all
+    from trainflow.timeline import record
+
+    beat = read_all(run_dir / "heartbeats").get(rank)
+    if beat is None:
+        raise SpecError("rank", rank, f"no heartbeat for this rank under {run_dir}")
+    pid = int(beat["pid"])
+    try:
+        os.kill(pid, _SIGNALS[action])
+    except ProcessLookupError:
+        raise SpecError("rank", rank, f"its process {pid} is not running on this host") from None
+    if action != "cont_rank":
+        record(run_dir, "fault_injected", kind=action, rank=rank, step=int(beat["step"]) + 1, source="chaos")
+    return {"action": action, "rank": rank, "pid": pid, "step": beat["step"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a spec on this machine, without Airflow")
+    p.add_argument("spec")
+    p.add_argument("run_dir", type=Path)
+    p = sub.add_parser("evaluate", help="evaluate a run's newest verified checkpoint")
+    p.add_argument("run_dir", type=Path)
+    p = sub.add_parser("validate", help="validate a spec file")
+    p.add_argument("spec")
+    p = sub.add_parser("chaos", help="inject a fault into a running run on this host")
+    p.add_argument("run_dir", type=Path)
+    g = p.add_mutually_exclusive_group(required=True)
+    for action in _SIGNALS:
+        g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "validate":
+            print(_spec(args.spec).to_json())
+            return 0
+        if args.command == "train":
+            from trainflow.launch.local import run_local
+
+            codes = run_local(_spec(args.spec), args.run_dir)
+            print(json.dumps({"exit_codes": codes}))
+            return 0 if all(c == 0 for c in codes) else 1
+        if args.command == "evaluate":
+            from trainflow.worker.evaluate import evaluate
+
+            print(json.dumps(evaluate(args.run_dir), sort_keys=True))
+            return 0
+        action = next(a for a in _SIGNALS if getattr(args, a) is not None)
+        print(json.dumps(chaos(args.run_dir, action, getattr(args, action))))
+        return 0
+    except SpecError as exc:
+        print(f"trainflow: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"trainflow: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
