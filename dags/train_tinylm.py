@@ -2,9 +2,11 @@
 
 from operators.dag_factory import training_dag
 
+DEFAULTS = {"workload": "tinylm", "nodes": 2, "steps": 3000, "batch_size": 16, "lr": 0.004,
+            "checkpoint_interval": 500, "heartbeat_timeout": 120.0}
+
 dag = training_dag(
     "train_tinylm",
-    defaults={"workload": "tinylm", "nodes": 2, "steps": 3000, "batch_size": 16, "lr": 0.004,
-              "checkpoint_interval": 500, "heartbeat_timeout": 120.0},
+    defaults=DEFAULTS,
     description="tiny byte-level LM, 2 nodes; evaluate targets ≥ 2× better bits/byte than unigram",
 )

@@ -84,3 +84,16 @@ def test_digits_reaches_target_accuracy(tmp_path):
     result = evaluate(tmp_path)
     assert result["metrics"]["accuracy"] >= 0.95, result["metrics"]
     assert result["target"]["met"]
+
+
+def test_tinylm_beats_the_unigram_baseline_twice(tmp_path):
+    """The train_tinylm DAG's defaults reach ≥ 2× better held-out bits/byte than unigram."""
+    from dags.train_tinylm import DEFAULTS
+
+    spec = TrainingSpec.from_mapping(DEFAULTS)
+    assert run_local(spec, tmp_path) == [0] * spec.nodes
+    result = evaluate(tmp_path)
+    m = result["metrics"]
+    assert m["improvement_over_unigram"] >= 2.0, m
+    assert m["bits_per_byte"] < m["unigram_bits_per_byte"] / 2
+    assert result["target"]["met"]

@@ -97,6 +97,7 @@ def run(plan_path: Path, node: int) -> int:
     write_json_atomic(status_file, {"node": node, "state": "running", "pid": os.getpid(),
                                     "started": started})
     _watch_abort(Path(plan["run_dir"]), node, status_file, started)
+    os.environ.setdefault("LOGLEVEL", "INFO")  # torch elastic's own loggers read it
     from torch.distributed.launcher.api import elastic_launch
 
     try:
