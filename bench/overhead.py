@@ -54,7 +54,7 @@ def run_torchrun(spec: TrainingSpec, work: Path) -> float:
 def run_dag(client, dag_id: str, conf: dict, i: int, breakdown: list) -> float:
     t0 = time.perf_counter()
     run_id = client.trigger(dag_id, conf, run_id=f"bench-{int(time.time())}-{i}")["dag_run_id"]
-    run = client.wait_run(dag_id, run_id, timeout=3600, poll=0.25)
+    run = client.wait_run(dag_id, run_id, timeout=3600, poll=0.5)
     elapsed = time.perf_counter() - t0
     if run["state"] != "success":
         raise RuntimeError(f"DAG run {run_id} ended {run['state']}")

@@ -89,7 +89,7 @@ class HeartbeatTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from pathlib import Path
 
-        from trainflow.heartbeat import Verdict
+        from trainflow.heartbeat import Action, decide
         from trainflow.remediation import aborted, remediations, request_node_restart
 
         run_dir, last = Path(self.run_dir), None
@@ -98,25 +98,27 @@ class HeartbeatTrigger(BaseTrigger):
         while True:
             await asyncio.to_thread(self.watch_stragglers, run_dir, suspects, reported)
             abort = await asyncio.to_thread(aborted, run_dir)
-            if abort is not None:
-                yield self.event("error", "aborted", f"run aborted by rank {abort.get('rank')} "
-                                 f"({abort.get('kind')}): {abort.get('message')}")
-                return
             now = time.time()
             result = await asyncio.to_thread(self.check, now)
+            done = await asyncio.to_thread(remediations, run_dir)
+            action = decide(result.verdict, replacements=done, budget=self.max_remediations,
+                            aborted=abort is not None)
             if result.verdict != last:
                 self.log.info("heartbeats: %s — %s", result.verdict.value, result.message)
                 last = result.verdict
-            if result.verdict == Verdict.COMPLETE:
+            if action == Action.FAIL and abort is not None:
+                yield self.event("error", "aborted", f"run aborted by rank {abort.get('rank')} "
+                                 f"({abort.get('kind')}): {abort.get('message')}")
+                return
+            if action == Action.FAIL:
+                yield self.event("error", result.verdict.value,
+                                 f"{result.message}; {done} node replacements already requested "
+                                 f"(budget {self.max_remediations})", result)
+                return
+            if action == Action.SUCCEED:
                 yield self.event("success", result.verdict.value, result.message, result)
                 return
-            if result.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
-                done = await asyncio.to_thread(remediations, run_dir)
-                if done >= self.max_remediations:
-                    yield self.event("error", result.verdict.value,
-                                     f"{result.message}; {done} node replacements already requested "
-                                     f"(budget {self.max_remediations})", result)
-                    return
+            if action == Action.REPLACE_NODES:
                 nodes = await asyncio.to_thread(request_node_restart, run_dir, result, now)
                 self.log.warning("hang detected: %s → replacing nodes %s", result.message, nodes)
                 self.started_at = now  # a fresh startup window for the replaced gang

@@ -63,3 +63,7 @@ class CheckpointError(TrainingError):
 
 class CrashLoopError(TrainingError):
     """The gang keeps restarting from the same checkpoint: stop instead of retrying."""
+
+
+class ChipUnavailableError(TrainingError):
+    """The worker lacks the chip family's extension: a misrouted or misbuilt worker."""

@@ -165,3 +165,30 @@ def find_stragglers(beats: dict[int, dict], *, margin: float) -> list[dict]:
             out.append({"rank": r, "node": beats[r].get("node"), "compute_ms": round(t, 3),
                         "median_ms": round(median, 3), "slower_by": round(t / median - 1, 3)})
     return out
+
+
+class Action(str, enum.Enum):
+    """What the heartbeat watch does about a verdict."""
+
+    WAIT = "wait"
+    SUCCEED = "succeed"
+    REPLACE_NODES = "replace_nodes"
+    FAIL = "fail"
+
+
+def decide(verdict: Verdict, *, replacements: int, budget: int, aborted: bool = False) -> Action:
+    """Pure decision on a classification: time-free, so trivially testable.
+
+    Args:
+        verdict: the current classification.
+        replacements: node replacements already requested for this run.
+        budget: the most replacements the run may use (retries × nodes).
+        aborted: the run was stopped for a non-retryable reason.
+    """
+    if aborted:
+        return Action.FAIL
+    if verdict == Verdict.COMPLETE:
+        return Action.SUCCEED
+    if verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
+        return Action.REPLACE_NODES if replacements < budget else Action.FAIL
+    return Action.WAIT

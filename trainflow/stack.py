@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+# On one machine the control plane and the training share the cores: Airflow's components
+# run at a lower CPU priority and the node agents restore normal priority for the workers
+# (measured: training under Airflow ran ~15% slower per step without it, 2 cores).
+CONTROL_PLANE_NICE = 10
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +44,7 @@ class EmbeddedStack:
     home: Path = field(default_factory=lambda: REPO / ".airflow")
     trainflow_home: Path = field(default_factory=lambda: REPO / ".trainflow")
     dags_folder: Path = field(default_factory=lambda: REPO / "dags")
+    plugins_folder: Path = field(default_factory=lambda: REPO / "plugins")
     port: int = 8080
     parallelism: int = 8
     node_slots: int = 4
@@ -76,6 +81,7 @@ class EmbeddedStack:
             "TRAINFLOW_EMBEDDED_NODES": str(self.node_slots),
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.plugins_folder),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
@@ -132,7 +138,8 @@ class EmbeddedStack:
             log = open(self.home / "logs" / f"{component}.log", "ab")
             proc = subprocess.Popen([self._airflow(), component], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.home)
+                                    start_new_session=True, cwd=self.home,
+                                    preexec_fn=lambda: os.nice(CONTROL_PLANE_NICE))
             self._pidfile(component).write_text(str(proc.pid))
             started.append(component)
         return started

@@ -92,3 +92,18 @@ def test_cross_field_errors_fail_provision_without_retry(client, stack):
     assert "invalid checkpoint_interval=50: must be at most steps (10)" in log
     assert not (stack.trainflow_home / "runs" / "bad").exists()  # nothing written
     assert Allocator(stack.trainflow_home / "state.db").leases() == []  # nothing allocated
+
+
+def test_run_conf_chip_routes_node_tasks_to_the_chip_queue(client):
+    """The shipped task_instance_mutation_hook puts the node tasks on the conf's chip queue;
+    a worker without the chip's extension stops the run at once, naming the package."""
+    client.unpause(DAG)
+    run_id = client.trigger(DAG, {"chip": "ascend", "nodes": 1, "steps": 20, "checkpoint_interval": 10,
+                                  "tenant": "routing"}, run_id="e2e-ascend-1")["dag_run_id"]
+    run = client.wait_run(DAG, run_id, timeout=240)
+    assert run["state"] == "failed"
+    tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
+    shard = tis[("shard_train", 0)]
+    assert shard["queue"] == "ascend-910b" and shard["try_number"] == 1
+    log = client.task_log(DAG, run_id, "shard_train", 1, map_index=0)
+    assert "'torch_npu' extension" in log and "ascend-910b" in log

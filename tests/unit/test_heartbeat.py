@@ -66,3 +66,15 @@ def test_find_stragglers_uses_compute_time_not_step_rate():
     assert s["rank"] == 3 and s["node"] == 1 and s["median_ms"] == 2.0 and s["slower_by"] == 2.75
     assert find_stragglers(beats, margin=5.0) == []
     assert find_stragglers({0: beats[0]}, margin=0.5) == []
+
+
+def test_decide():
+    from trainflow.heartbeat import Action, decide
+
+    assert decide(Verdict.HEALTHY, replacements=0, budget=2) == Action.WAIT
+    assert decide(Verdict.WAITING, replacements=0, budget=2) == Action.WAIT
+    assert decide(Verdict.COMPLETE, replacements=5, budget=2) == Action.SUCCEED
+    assert decide(Verdict.STALLED, replacements=1, budget=2) == Action.REPLACE_NODES
+    assert decide(Verdict.STARTUP_TIMEOUT, replacements=0, budget=1) == Action.REPLACE_NODES
+    assert decide(Verdict.STALLED, replacements=2, budget=2) == Action.FAIL
+    assert decide(Verdict.HEALTHY, replacements=0, budget=2, aborted=True) == Action.FAIL

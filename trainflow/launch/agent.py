@@ -18,6 +18,15 @@ from pathlib import Path
 from trainflow.workspace import write_json_atomic
 
 
+def restore_priority() -> None:
+    """Run the gang at normal CPU priority even under a niced control plane (where the OS
+    allows raising it back; otherwise keep the inherited one)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+
+
 def agent_env(plan: dict, node: int) -> dict[str, str]:
     """Environment the agent and its workers need (pure)."""
     return {
@@ -89,6 +98,7 @@ def run(plan_path: Path, node: int) -> int:
     # The agent lives in its own session; without this it would outlive a killed
     # shard_train task and keep training beside the task's replacement.
     die_with_parent(os.getppid())
+    restore_priority()
     plan = json.loads(Path(plan_path).read_text())
     os.environ.update(agent_env(plan, node))
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"

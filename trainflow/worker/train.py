@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from trainflow.checkpoint import manifest
-from trainflow.errors import CrashLoopError, UserCodeError
+from trainflow.errors import ChipUnavailableError, CrashLoopError, UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
@@ -114,6 +114,18 @@ def run(run_dir: Path) -> int:
         raise RuntimeError(f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}")
     torch.set_num_threads(1)
     family = get_family(spec.chip)
+    if family.extension:
+        import importlib
+
+        try:
+            importlib.import_module(family.extension)
+        except ImportError as exc:
+            from trainflow.chips.registry import queue_for
+
+            raise ChipUnavailableError(
+                f"chip family {family.name!r} needs the {family.extension!r} extension, which is not "
+                f"installed on this worker ({exc}); install it, or serve queue {queue_for(family.name)!r} "
+                f"only from workers that have it") from exc
     device = torch.device("cpu")
     if family.device_type != "cpu":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -238,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
         rank = int(os.environ.get("RANK", "-1"))
         user = isinstance(exc, UserCodeError)
-        fatal = user or isinstance(exc, CrashLoopError)
-        kind = "user" if user else "crash_loop" if fatal else "infrastructure"
+        fatal = user or isinstance(exc, (CrashLoopError, ChipUnavailableError))
+        kind = ("user" if user else "crash_loop" if isinstance(exc, CrashLoopError)
+                else "chip_unavailable" if fatal else "infrastructure")
         error = {"rank": rank, "kind": kind,
                  "type": type(exc.__cause__ or exc).__name__, "message": str(exc),
                  "traceback": traceback.format_exc()[-8000:], "time": time.time()}
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(err_dir / f"rank-{rank:05d}.json", error)
         if fatal:
             # A deterministic bug or a crash loop: restarting cannot help. Stop every agent.
-            record(args.run_dir, "user_error" if user else "crash_loop", rank=rank, message=str(exc))
+            record(args.run_dir, "user_error" if user else kind, rank=rank, message=str(exc))
             abort = args.run_dir / "ABORT"
             if not abort.exists():
                 write_json_atomic(abort, error)
