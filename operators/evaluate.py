@@ -41,7 +41,11 @@ class EvaluateOperator(BaseOperator):
             raise AirflowException(f"evaluation exited with code {rc}")
         result = json.loads((Path(self.run_dir) / "metrics.json").read_text())
         checkpoint = context["ti"].xcom_pull(task_ids="checkpoint_sync", key="checkpoint")
+        from trainflow.plots import progress_plot
+
         built = build_report(self.run_dir, metrics=result, checkpoint=checkpoint)
+        plot = progress_plot(Path(self.run_dir))
+        built["plots"] = {"progress": str(plot)} if plot else {}
         report = write_report(self.run_dir, built)
         if built.get("goodput"):
             context["ti"].xcom_push(key="goodput", value=built["goodput"])

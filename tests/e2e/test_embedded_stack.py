@@ -51,6 +51,8 @@ def test_train_digits_over_rest(client, stack, finished_run):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["metrics"]["weights_sha256"] == metrics["weights_sha256"]
     assert set(report["ranks"]) == {"0", "1"}
+    assert (run_dir / "progress.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["plots"]["progress"] == str(run_dir / "progress.png")
     assert Allocator(stack.trainflow_home / "state.db").leases() == []  # released
 
 
