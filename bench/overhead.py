@@ -13,10 +13,8 @@ Writes bench/results/overhead.json and prints the wall-time ratio (goal ≤ 1.10
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _results import side_by_side  # noqa: E402
 from trainflow.launch.local import free_port  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.stack import EmbeddedStack  # noqa: E402
@@ -99,16 +98,8 @@ def main() -> int:
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
-    result = {
-        "bench": "overhead", "spec": conf, "world_size": spec.world_size, "rounds": args.rounds,
-        "torchrun_s": raw, "dag_s": dag, "dag_task_breakdown": breakdown,
-        "torchrun_median_s": statistics.median(raw), "dag_median_s": statistics.median(dag),
-        "ratio": statistics.median(dag) / statistics.median(raw),
-        "machine": {"cpus": os.cpu_count()}, "time": time.time(),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("torchrun_median_s", "dag_median_s", "ratio")}))
+    side_by_side("overhead", args.out, ("torchrun", raw), ("dag", dag), spec=conf,
+                 world_size=spec.world_size, rounds=args.rounds, dag_task_breakdown=breakdown)
     return 0
 
 

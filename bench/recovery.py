@@ -13,18 +13,16 @@ from the run's timeline). Goal: trainflow ≤ 1.2 × torchrun.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _results import side_by_side  # noqa: E402
 from trainflow import timeline  # noqa: E402
 from trainflow.launch.local import run_local  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
@@ -73,12 +71,7 @@ def main() -> int:
         raw.append(run_torchrun(spec, work / f"torchrun-{i}"))
         ours.append(run_trainflow(spec, work / f"trainflow-{i}"))
         print(f"round {i}: torchrun {raw[-1]:.2f}s  trainflow {ours[-1]:.2f}s", flush=True)
-    result = {"bench": "recovery", "spec": SPEC, "torchrun_s": raw, "trainflow_s": ours,
-              "torchrun_median_s": statistics.median(raw), "trainflow_median_s": statistics.median(ours),
-              "ratio": statistics.median(ours) / statistics.median(raw), "time": time.time()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("torchrun_median_s", "trainflow_median_s", "ratio")}))
+    side_by_side("recovery", args.out, ("torchrun", raw), ("trainflow", ours), spec=SPEC)
     return 0
 
 

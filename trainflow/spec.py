@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from trainflow.chips.registry import FAMILIES
 from trainflow.errors import SpecError
-from trainflow.faults import FAULT_SCHEMA, Fault, FaultKind, parse_faults
+from trainflow.faults import FAULT_SCHEMA, FaultKind, parse_faults
 
 BUILTIN_WORKLOADS = ("digits", "tinylm")
 STRATEGIES = ("ddp", "fsdp")

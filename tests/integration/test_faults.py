@@ -81,3 +81,27 @@ def test_slow_rank_shows_as_straggler_in_its_heartbeats(tmp_path, clean_digest):
     (s,) = find_stragglers(beats, margin=spec.straggler_margin)
     assert s["rank"] == 1 and s["slower_by"] > 1.0
     assert evaluate(tmp_path)["weights_sha256"] == clean_digest  # slow, not wrong
+
+
+def test_chaos_command_kills_a_running_rank_and_the_run_heals(tmp_path):
+    from trainflow.cli import chaos
+    from trainflow.heartbeat import read_all
+    from trainflow.launch.local import prepare, start_agents
+
+    spec = TrainingSpec(**{**BASE, "steps": 1500})
+    assert run_local(spec, tmp_path / "clean") == [0, 0]
+    tmp_path = tmp_path / "chaos"
+    procs = start_agents(prepare(spec, tmp_path), spec.nodes, log_dir=tmp_path / "logs")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        beats = read_all(tmp_path / "heartbeats")
+        if len(beats) == 2 and min(b["step"] for b in beats.values()) > 100:
+            break
+        time.sleep(0.1)
+    hit = chaos(tmp_path, "kill_rank", 1)
+    assert hit["rank"] == 1 and hit["step"] > 100
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    (fault,) = _events(tmp_path, "fault_injected")
+    assert fault["source"] == "chaos" and fault["kind"] == "kill_rank"
+    assert _events(tmp_path, "resumed")
+    assert evaluate(tmp_path)["weights_sha256"] == evaluate(tmp_path.parent / "clean")["weights_sha256"]

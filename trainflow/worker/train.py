@@ -12,7 +12,6 @@ gradient reduction (per-tensor all-reduce) instead of DDP's order-dependent buck
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
