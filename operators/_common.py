@@ -86,14 +86,6 @@ class Subprocess:
         signal_tree(self.proc.pid, signal.SIGKILL)
 
 
-def read_abort(run_dir: str | Path) -> dict | None:
-    """The run's abort record (a user-code error), if any."""
-    try:
-        return json.loads((Path(run_dir) / "ABORT").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def abort_message(abort: dict) -> str:
     what = "failed in user code" if abort.get("kind") == "user" else "stopped the run"
     return (f"rank {abort.get('rank')} {what}, not retried: {abort.get('message')}\n"

@@ -6,7 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import Subprocess, abort_message, load_plan, python, read_abort
+from operators._common import Subprocess, abort_message, load_plan, python
 
 
 class ShardTrainOperator(BaseOperator):
@@ -39,6 +39,7 @@ class ShardTrainOperator(BaseOperator):
 
         from trainflow.checkpoint.manifest import newest_verified
         from trainflow.heartbeat import read_all
+        from trainflow.remediation import aborted as read_abort
 
         run_dir = Path(self.plan_path).parent
         plan = load_plan(run_dir)

@@ -25,21 +25,21 @@ DEMO_CONF = {"nodes": 2, "steps": 300, "checkpoint_interval": 50,
              "faults": [{"kind": "kill_rank", "rank": 1, "step": 120}]}
 
 
-def describe(event: dict) -> str:
-    kind = event["event"]
-    if kind == "fault_injected":
-        return f"FAULT     {event['kind']} on rank {event['rank']} at step {event['step']}"
-    if kind == "stall_detected":
-        return f"DETECTED  {event['message']} → replacing nodes {event['nodes']}"
-    if kind == "gang_start":
-        return f"GANG      all ranks (re)started at step {event['step']}"
-    if kind == "resumed":
-        return f"RESUMED   the gang restarted together from verified checkpoint step {event['step']}"
-    if kind == "crash_loop":
-        return f"STOPPED   {event['message']}"
-    if kind == "user_error":
-        return f"USER BUG  rank {event['rank']}: {event['message']} (run aborted, no retries)"
-    return json.dumps(event)
+_DESCRIBE = {
+    "fault_injected": "FAULT     {kind} on rank {rank} at step {step}",
+    "stall_detected": "DETECTED  {message} → replacing nodes {nodes}",
+    "gang_start": "GANG      all ranks (re)started at step {step}",
+    "resumed": "RESUMED   the gang restarted together from verified checkpoint step {step}",
+    "crash_loop": "STOPPED   {message}",
+    "user_error": "USER BUG  rank {rank}: {message} (run aborted, no retries)",
+    "straggler": "STRAGGLER rank {rank} computes {compute_ms} ms/step vs peers' {median_ms} ms",
+}
+
+
+def describe(event: dict) -> str | None:
+    """A timeline event as one terminal line; None for events the demo does not show."""
+    template = _DESCRIBE.get(event["event"])
+    return template.format(**event) if template else None
 
 
 def _stack(port: int) -> EmbeddedStack:
@@ -79,7 +79,8 @@ def watch(client, dag_id: str, run_id: str, *, timeout: float, out=sys.stdout) -
         if run_dir is not None:
             events = timeline.read(run_dir)
             for event in events[shown:]:
-                print(f"[{time.time() - start:6.1f}s] ! {describe(event)}", file=out, flush=True)
+                if (text := describe(event)) is not None:
+                    print(f"[{time.time() - start:6.1f}s] ! {text}", file=out, flush=True)
             shown = len(events)
             line = progress_line(read_all(run_dir / "heartbeats"), world)
             if line != last_line:

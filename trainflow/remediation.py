@@ -16,6 +16,7 @@ from trainflow.workspace import write_json_atomic
 
 
 def aborted(run_dir: Path) -> dict | None:
+    """The run's abort record (a non-retryable failure: user code, crash loop ...), if any."""
     try:
         return json.loads((Path(run_dir) / "ABORT").read_text())
     except (OSError, ValueError):
