@@ -7,7 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import translate
+from operators._common import load_plan, translate
 
 
 class ProvisionOperator(BaseOperator):
@@ -55,12 +55,11 @@ class ProvisionOperator(BaseOperator):
         resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
                                  world_size=spec.world_size)
         ti = context["ti"]
-        from operators._common import load_plan
-
-        ti.xcom_push(key="plan", value=load_plan(ws.dir))
+        plan = load_plan(ws.dir)
+        ti.xcom_push(key="plan", value=plan)
         ti.xcom_push(key="run_dir", value=str(ws.dir))
         ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
         self.log.info("workspace %s; %d nodes × %d ranks on queue %s; resume from %s",
-                      ws.dir, spec.nodes, spec.nproc_per_node, load_plan(ws.dir)["queue"],
+                      ws.dir, spec.nodes, spec.nproc_per_node, plan["queue"],
                       f"step {resume.step}" if resume else "scratch")
         return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(spec.nodes)]
