@@ -67,14 +67,11 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
 
     from trainflow.proctree import signal_tree
 
+    from trainflow.remediation import aborted
+
     def loop() -> None:
-        abort = run_dir / "ABORT"
-        while not abort.exists():
+        while (reason := aborted(run_dir)) is None:
             time.sleep(0.2)
-        try:
-            reason = json.loads(abort.read_text())
-        except (OSError, ValueError):
-            reason = {"message": "aborted"}
         write_json_atomic(status_file, {"node": node, "state": "aborted", "pid": os.getpid(),
                                         "started": started, "ended": time.time(), "error": reason.get("message")})
         print(f"[node {node}] run aborted by rank {reason.get('rank')}: {reason.get('message')}",
