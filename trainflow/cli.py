@@ -4,6 +4,8 @@
     trainflow evaluate RUN_DIR             score a run's newest verified checkpoint
     trainflow chaos RUN_DIR --kill-rank R  inject a fault into a running run (rehearsal)
     trainflow validate SPEC.json           check a spec; exit 2 with the field, value and fix
+    trainflow hosts [--uncordon H | --cordon H --reason R]
+                                           host failures and cordons; lift or set one
 
 Exit codes: 0 success, 1 the run failed, 2 bad input.
 """
@@ -50,6 +52,19 @@ def chaos(run_dir: Path, action: str, rank: int) -> dict:
     return {"action": action, "rank": rank, "pid": pid, "step": beat["step"]}
 
 
+def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
+    from trainflow.cluster.hosts import CordonPolicy, HostRegistry
+
+    registry = HostRegistry()
+    if uncordon:
+        if not registry.uncordon(uncordon):
+            raise SpecError("--uncordon", uncordon, "this host is not cordoned; see `trainflow hosts`")
+    elif cordon:
+        registry.cordon(cordon, reason=reason)
+    print(json.dumps(registry.hosts(policy=CordonPolicy.from_env()), indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     for action in _SIGNALS:
         g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK")
+    p = sub.add_parser("hosts", help="list host failures and cordons; cordon or uncordon a host")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--uncordon", metavar="HOST")
+    g.add_argument("--cordon", metavar="HOST")
+    p.add_argument("--reason", default="cordoned by an operator")
     args = parser.parse_args(argv)
     try:
+        if args.command == "hosts":
+            return hosts(args.uncordon, args.cordon, args.reason)
         if args.command == "validate":
             print(_spec(args.spec).to_json())
             return 0

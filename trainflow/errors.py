@@ -67,3 +67,8 @@ class CrashLoopError(TrainingError):
 
 class ChipUnavailableError(TrainingError):
     """The worker lacks the chip family's extension: a misrouted or misbuilt worker."""
+
+
+class PreflightError(TrainingError):
+    """A node failed its preflight (cordoned host, chip health, disk, rendezvous) and
+    did not join the gang; a retry may place it on a healthy host."""

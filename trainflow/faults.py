@@ -27,22 +27,36 @@ class FaultKind(str, enum.Enum):
     RAISE = "raise"                    # a deterministic user bug: ValueError in the workload
     CRASH_RANK = "crash_rank"          # SIGKILL the rank every time it reaches the step (crash loop)
     SLOW_RANK = "slow_rank"            # from the step on, the rank computes 4× slower (a straggler)
+    FILL_DISK = "fill_disk"            # fill the checkpoint filesystem until the next save has failed
+    DELAY_HEARTBEATS = "delay_heartbeats"  # the rank trains on but withholds heartbeats for `seconds`
 
 
-ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT}
+ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT,
+        FaultKind.FILL_DISK, FaultKind.DELAY_HEARTBEATS}
+# Bytes left free by fill_disk: less than any checkpoint, so the next save hits ENOSPC.
+FILL_LEAVE_BYTES = 4096
+# fill_disk refuses a filesystem with more free space than this (it is a rehearsal, not
+# a way to exhaust a production volume): TRAINFLOW_FAULT_FILL_MAX_BYTES, default 4 GiB.
+FILL_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    """One scheduled fault: ``kind`` fires when ``rank`` reaches ``step``."""
+    """One scheduled fault: ``kind`` fires when ``rank`` reaches ``step``.
+
+    ``seconds`` is the duration of a ``delay_heartbeats`` fault (unused by the others).
+    """
 
     kind: FaultKind
     step: int
     rank: int = 0
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["kind"] = self.kind.value
+        if not self.seconds:
+            del d["seconds"]
         return d
 
 
@@ -57,6 +71,7 @@ FAULT_SCHEMA = {
             "kind": {"type": "string", "enum": [k.value for k in FaultKind]},
             "step": {"type": "integer", "minimum": 1},
             "rank": {"type": "integer", "minimum": 0},
+            "seconds": {"type": "number", "minimum": 0, "maximum": 3600},
         },
     },
 }
@@ -76,9 +91,10 @@ def parse_faults(value: Iterable[Any], *, world_size: int, steps: int) -> tuple[
             item = item.to_dict()
         if not isinstance(item, Mapping):
             raise SpecError(f"faults[{i}]", item, "must be an object with kind, step and rank")
-        unknown = set(item) - {"kind", "step", "rank"}
+        unknown = set(item) - {"kind", "step", "rank", "seconds"}
         if unknown:
-            raise SpecError(f"faults[{i}]", item, f"unknown keys {sorted(unknown)}; use kind, step, rank")
+            raise SpecError(f"faults[{i}]", item,
+                            f"unknown keys {sorted(unknown)}; use kind, step, rank, seconds")
         try:
             kind = FaultKind(item.get("kind"))
         except ValueError:
@@ -92,36 +108,77 @@ def parse_faults(value: Iterable[Any], *, world_size: int, steps: int) -> tuple[
             raise SpecError(f"faults[{i}].step", step, f"must be between 1 and steps ({steps})")
         if not 0 <= rank < world_size:
             raise SpecError(f"faults[{i}].rank", rank, f"must be a rank of the gang (0..{world_size - 1})")
-        out.append(Fault(kind=kind, step=step, rank=rank))
+        seconds = item.get("seconds", 0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
+            raise SpecError(f"faults[{i}].seconds", seconds, "must be a number of seconds in 0..3600")
+        if kind == FaultKind.DELAY_HEARTBEATS and not seconds:
+            raise SpecError(f"faults[{i}].seconds", seconds,
+                            "delay_heartbeats needs seconds > 0: how long the heartbeats are withheld")
+        if kind != FaultKind.DELAY_HEARTBEATS and seconds:
+            raise SpecError(f"faults[{i}].seconds", seconds,
+                            f"only delay_heartbeats takes seconds; drop it for {kind.value}")
+        out.append(Fault(kind=kind, step=step, rank=rank, seconds=float(seconds)))
     return tuple(out)
 
 
 class FaultInjector:
-    """Fires the faults of one rank (runs inside the worker)."""
+    """Fires the faults of one rank (runs inside the worker).
 
-    def __init__(self, faults: Iterable[Fault], *, run_dir: Path, rank: int) -> None:
-        self.run_dir, self.rank = Path(run_dir), rank
+    Args:
+        faults: the run's schedule (only this rank's entries fire).
+        run_dir: the run's workspace (markers, timeline, checkpoint filesystem).
+        rank: this worker's global rank.
+        heartbeat: this rank's ``HeartbeatWriter`` (``delay_heartbeats`` mutes it).
+    """
+
+    def __init__(self, faults: Iterable[Fault], *, run_dir: Path, rank: int, heartbeat=None) -> None:
+        self.run_dir, self.rank, self.heartbeat = Path(run_dir), rank, heartbeat
         self.pending = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
-        self.slow_from = min((f.step for f in faults if f.rank == rank and f.kind == FaultKind.SLOW_RANK),
-                             default=None)
+        self.slow = next(((i, f.step) for i, f in self.pending if f.kind == FaultKind.SLOW_RANK), None)
+        self._slow_active: bool | None = None
+        self._ballast: Path | None = None
+        self._ballast_step = 0
 
-    def slowdown(self, step: int, compute_s: float) -> None:
-        """Stretch this step's compute time when a slow_rank fault is active."""
-        if self.slow_from is not None and step >= self.slow_from:
-            import time
+    def _marker(self, index: int) -> Path:
+        return self.run_dir / "faults" / f"fault-{index}.fired"
 
-            time.sleep(3 * compute_s + 0.002)
-
-    def _claim(self, index: int) -> bool:
+    def _claim(self, index: int, content: str = "") -> bool:
         """Create the fault's marker atomically; False if it already fired."""
-        marker = self.run_dir / "faults" / f"fault-{index}.fired"
+        marker = self._marker(index)
         marker.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        os.close(fd)
+        try:
+            os.write(fd, content.encode())
+        finally:
+            os.close(fd)
         return True
+
+    def _announce(self, fault: Fault, step: int, **extra) -> None:
+        print(f"[rank {self.rank}] FAULT INJECTED: {fault.kind.value} at step {step}", flush=True)
+        record(self.run_dir, "fault_injected", kind=fault.kind.value, step=step, rank=self.rank, **extra)
+
+    def slowdown(self, step: int, compute_s: float) -> None:
+        """Stretch this step's compute time while a slow_rank fault is active.
+
+        The slowness belongs to the node incarnation that first reached the step (its
+        agent's pid is kept in the marker): a slow host stays slow across worker restarts,
+        and a replacement node (a new agent, as after straggler exclusion) is healthy.
+        """
+        if self.slow is None or step < self.slow[1]:
+            return
+        if self._slow_active is None:
+            index, at = self.slow
+            agent = os.environ.get("TRAINFLOW_AGENT_PID", str(os.getppid()))
+            if self._claim(index, agent):
+                self._announce(Fault(kind=FaultKind.SLOW_RANK, step=at, rank=self.rank), step)
+            self._slow_active = self._marker(index).read_text() == agent
+        if self._slow_active:
+            import time
+
+            time.sleep(3 * compute_s + 0.002)
 
     def before_step(self, step: int) -> None:
         """Fire faults scheduled at ``step`` (called before the step trains)."""
@@ -135,12 +192,18 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             if not self._claim(index):
                 continue
-            print(f"[rank {self.rank}] FAULT INJECTED: {fault.kind.value} at step {step}", flush=True)
-            record(self.run_dir, "fault_injected", kind=fault.kind.value, step=step, rank=self.rank)
+            if fault.kind == FaultKind.FILL_DISK:
+                self._fill_disk(fault, step)
+                continue
+            self._announce(fault, step, **({"seconds": fault.seconds} if fault.seconds else {}))
             if fault.kind == FaultKind.KILL_RANK:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == FaultKind.STOP_RANK:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == FaultKind.DELAY_HEARTBEATS and self.heartbeat is not None:
+                import time
+
+                self.heartbeat.mute(until=time.time() + fault.seconds)
             elif fault.kind == FaultKind.KILL_NODE:
                 # The node task's process under Airflow, else the agent; the rest of the
                 # tree follows through PDEATHSIG.
@@ -149,6 +212,53 @@ class FaultInjector:
                 if target:
                     os.kill(target, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fill_disk(self, fault: Fault, step: int) -> None:
+        """Allocate a ballast file that leaves the checkpoint filesystem nearly full.
+
+        The space is really taken (``posix_fallocate``), so the next save fails with
+        ENOSPC in the filesystem itself; ``save_finished`` frees it afterwards.
+        """
+        root = self.run_dir / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(root)
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+        cap = int(os.environ.get("TRAINFLOW_FAULT_FILL_MAX_BYTES", FILL_MAX_BYTES))
+        size = free - FILL_LEAVE_BYTES
+        if size > cap:
+            print(f"[rank {self.rank}] fill_disk skipped: {free} bytes free on the checkpoint "
+                  f"filesystem, more than TRAINFLOW_FAULT_FILL_MAX_BYTES={cap}", flush=True)
+            record(self.run_dir, "fault_skipped", kind=fault.kind.value, step=step, rank=self.rank,
+                   reason=f"{free} bytes free > cap {cap}")
+            return
+        ballast = root / f".ballast-rank{self.rank}"
+        fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if size > 0:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:  # ENOSPC at the last blocks: the disk is as full as it gets
+                    pass
+        finally:
+            os.close(fd)
+        self._ballast, self._ballast_step = ballast, step
+        self._announce(fault, step, ballast_bytes=ballast.stat().st_size, free_before=free)
+
+    def ballast_outlived(self, last_save_step: int) -> bool:
+        """True if a fill_disk ballast is held and a save begun after the fill has since
+        finished (``last_save_step`` is that save's step)."""
+        return self._ballast is not None and last_save_step >= self._ballast_step
+
+    def save_finished(self, step: int, ok: bool) -> None:
+        """A checkpoint save ended (either way): free the fill_disk ballast, if any."""
+        if self._ballast is None:
+            return
+        size = self._ballast.stat().st_size if self._ballast.exists() else 0
+        self._ballast.unlink(missing_ok=True)
+        self._ballast = None
+        print(f"[rank {self.rank}] fill_disk: save of step {step} {'succeeded' if ok else 'failed'}; "
+              f"released {size} bytes", flush=True)
+        record(self.run_dir, "disk_released", step=step, rank=self.rank, save_ok=ok, bytes=size)
 
     def after_checkpoint(self, step: int, checkpoint_dir: Path | None) -> None:
         """Corrupt the checkpoint just committed at ``step`` (rank 0 holds its path)."""

@@ -9,21 +9,30 @@ from pathlib import Path
 from trainflow import timeline
 
 
+# Faults that do not stop training by themselves: a failed save (fill_disk), a slow rank,
+# withheld heartbeats. They restart the gang only if the watch then declares a stall.
+NO_RESTART = {"fill_disk", "slow_rank", "delay_heartbeats"}
+
+
 def fault_records(events: list[dict]) -> list[dict]:
     """Pair each fault (injected or detected) with the next resume after it."""
     out: list[dict] = []
     for e in events:
         if e["event"] in ("fault_injected", "stall_detected", "user_error"):
-            if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1]:
+            if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1] \
+                    and out[-1]["kind"] not in ("fill_disk", "slow_rank"):
                 out[-1]["detected_time"] = e["time"]  # the watch detected the injected fault
                 out[-1]["detection_s"] = round(e["time"] - out[-1]["time"], 3)
+                out[-1]["restarts"] = True
                 continue
-            out.append({"kind": e.get("kind", e["event"]), "time": e["time"], "step": e.get("step"),
+            kind = e.get("kind", e["event"])
+            out.append({"kind": kind, "time": e["time"], "step": e.get("step"),
+                        "restarts": kind not in NO_RESTART,
                         **({"detected_time": e["time"], "detection_s": 0.0}
                            if e["event"] == "stall_detected" else {})})
         elif e["event"] == "resumed":
             for rec in out:
-                if "resumed_time" not in rec and rec["time"] <= e["time"]:
+                if rec["restarts"] and "resumed_time" not in rec and rec["time"] <= e["time"]:
                     rec["resumed_time"] = e["time"]
                     rec["recovery_s"] = round(e["time"] - rec["time"], 3)
                     rec["resumed_from_step"] = e["step"]

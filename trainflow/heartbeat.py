@@ -68,11 +68,18 @@ class HeartbeatWriter:
         self._last_state: RankState | None = None
         self._progress_at = time.time()
         self._step = -1
+        self._muted_until = 0.0
+
+    def mute(self, *, until: float) -> None:
+        """Withhold every heartbeat until ``until`` (the delay_heartbeats fault)."""
+        self._muted_until = until
 
     def beat(self, *, step: int, total: int, state: RankState, force: bool = False, **extra) -> None:
         now = time.time()
         if step != self._step:
             self._step, self._progress_at = step, now
+        if now < self._muted_until:
+            return
         if not force and state == self._last_state and now - self._last_write < self.interval:
             return
         write_json_atomic(self.path, {

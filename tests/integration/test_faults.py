@@ -105,3 +105,39 @@ def test_chaos_command_kills_a_running_rank_and_the_run_heals(tmp_path):
     assert fault["source"] == "chaos" and fault["kind"] == "kill_rank"
     assert _events(tmp_path, "resumed")
     assert evaluate(tmp_path)["weights_sha256"] == evaluate(tmp_path.parent / "clean")["weights_sha256"]
+
+
+@pytest.fixture
+def small_checkpoint_fs(tmp_path):
+    """The run's checkpoint directory on its own 16 MiB tmpfs: a disk that really fills."""
+    import subprocess
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(ckpt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield tmp_path / "run"
+    subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+def test_full_checkpoint_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_checkpoint_fs,
+                                                                               clean_digest):
+    from trainflow.checkpoint.manifest import newest_verified
+
+    run_dir = small_checkpoint_fs
+    # The disk fills at step 90: the save of step 100 hits ENOSPC. Rank 0 is then killed
+    # at step 110, so the gang must resume from step 80, the newest checkpoint intact.
+    spec = TrainingSpec(**BASE, faults=[{"kind": "fill_disk", "rank": 1, "step": 90},
+                                        {"kind": "kill_rank", "rank": 0, "step": 110}])
+    assert run_local(spec, run_dir) == [0, 0]
+    failed = _events(run_dir, "checkpoint_failed")
+    assert failed and {e["step"] for e in failed} == {100}
+    assert any("No space left on device" in e["error"] or "ENOSPC" in e["error"] for e in failed)
+    (released,) = _events(run_dir, "disk_released")
+    assert released["save_ok"] is False and released["bytes"] > 1 << 20
+    resumed = _events(run_dir, "resumed")
+    assert [e["step"] for e in resumed] == [80]
+    assert newest_verified(run_dir / "checkpoints").step == spec.steps
+    assert evaluate(run_dir)["weights_sha256"] == clean_digest

@@ -32,3 +32,53 @@ def test_parse_faults():
     assert f.kind == FaultKind.STOP_RANK and f.to_dict() == {"kind": "stop_rank", "step": 3, "rank": 1}
     with pytest.raises(SpecError, match=r"faults\[0\]"):
         parse_faults([{"kind": "kill_rank", "step": 3, "extra": 1}], world_size=2, steps=10)
+
+
+def test_parse_faults_with_durations():
+    (f,) = parse_faults([{"kind": "delay_heartbeats", "step": 3, "rank": 1, "seconds": 7}],
+                        world_size=2, steps=10)
+    assert f.seconds == 7.0 and f.to_dict()["seconds"] == 7.0
+    with pytest.raises(SpecError, match=r"faults\[0\]\.seconds.*needs seconds > 0"):
+        parse_faults([{"kind": "delay_heartbeats", "step": 3}], world_size=2, steps=10)
+    with pytest.raises(SpecError, match=r"faults\[0\]\.seconds.*only delay_heartbeats"):
+        parse_faults([{"kind": "kill_rank", "step": 3, "seconds": 2}], world_size=2, steps=10)
+    (g,) = parse_faults([{"kind": "fill_disk", "step": 3}], world_size=2, steps=10)
+    assert g.to_dict() == {"kind": "fill_disk", "step": 3, "rank": 0}
+
+
+def test_faults_that_do_not_restart_are_not_paired_with_a_later_resume():
+    events = [
+        {"event": "fault_injected", "kind": "fill_disk", "step": 90, "time": 10.0},
+        {"event": "fault_injected", "kind": "delay_heartbeats", "step": 95, "time": 11.0},
+        {"event": "fault_injected", "kind": "kill_rank", "step": 110, "time": 20.0},
+        {"event": "resumed", "step": 80, "time": 24.0},
+    ]
+    fill, delay, kill = fault_records(events)
+    assert "resumed_time" not in fill and "resumed_time" not in delay
+    assert kill["recovery_s"] == 4.0 and kill["steps_lost"] == 29
+
+
+def test_withheld_heartbeats_become_a_stall_when_they_outlast_the_timeout():
+    events = [
+        {"event": "fault_injected", "kind": "delay_heartbeats", "step": 40, "time": 10.0},
+        {"event": "stall_detected", "time": 15.0},
+        {"event": "resumed", "step": 40, "time": 22.0},
+    ]
+    (rec,) = fault_records(events)
+    assert rec["detection_s"] == 5.0 and rec["recovery_s"] == 12.0 and rec["restarts"]
+
+
+def test_muted_heartbeat_writer_writes_nothing_until_the_delay_ends(tmp_path):
+    import json
+    import time
+
+    from trainflow.heartbeat import HeartbeatWriter, RankState
+
+    w = HeartbeatWriter(tmp_path, rank=0, node=0, interval=0.0)
+    w.beat(step=1, total=9, state=RankState.TRAINING)
+    w.mute(until=time.time() + 60)
+    w.beat(step=2, total=9, state=RankState.TRAINING, force=True)
+    assert json.loads((tmp_path / "rank-00000.json").read_text())["step"] == 1
+    w.mute(until=0)
+    w.beat(step=3, total=9, state=RankState.TRAINING)
+    assert json.loads((tmp_path / "rank-00000.json").read_text())["step"] == 3

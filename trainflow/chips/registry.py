@@ -25,6 +25,10 @@ class ChipFamily:
         container_env: container-runtime visibility variable.
         k8s_resource: Kubernetes extended resource of the vendor device plugin.
         default_model: model used in the default queue name.
+        health_cmd: vendor CLI that exits 0 when the node's chips are usable (run by the
+            node preflight in a subprocess, never by initialising a device runtime);
+            ``None`` where there is no chip to check. Override with
+            ``TRAINFLOW_CHIP_<FAMILY>_HEALTH_CMD`` (a shell-quoted command; empty: none).
     """
 
     name: str
@@ -36,6 +40,7 @@ class ChipFamily:
     container_env: str | None
     k8s_resource: str | None
     default_model: str
+    health_cmd: tuple[str, ...] | None = None
 
     @property
     def composite_backend(self) -> str:
@@ -53,48 +58,51 @@ FAMILIES: dict[str, ChipFamily] = {
            visible_env=None, container_env=None, k8s_resource=None, default_model="x86"),
         _F(name="nvidia", title="NVIDIA CUDA", extension=None, device_type="cuda", backend="nccl",
            visible_env="CUDA_VISIBLE_DEVICES", container_env="NVIDIA_VISIBLE_DEVICES",
-           k8s_resource="nvidia.com/gpu", default_model="gpu"),
+           k8s_resource="nvidia.com/gpu", default_model="gpu",
+           health_cmd=("nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader")),
         _F(name="amd", title="AMD ROCm", extension=None, device_type="cuda", backend="nccl",
            visible_env="HIP_VISIBLE_DEVICES", container_env="AMD_VISIBLE_DEVICES",
-           k8s_resource="amd.com/gpu", default_model="gpu"),
+           k8s_resource="amd.com/gpu", default_model="gpu", health_cmd=("amd-smi", "list")),
         _F(name="ascend", title="Huawei Ascend", extension="torch_npu", device_type="npu",
            backend="hccl", visible_env="ASCEND_RT_VISIBLE_DEVICES",
            container_env="ASCEND_VISIBLE_DEVICES", k8s_resource="huawei.com/Ascend910",
-           default_model="910b"),
+           default_model="910b", health_cmd=("npu-smi", "info", "-l")),
         _F(name="cambricon", title="Cambricon MLU", extension="torch_mlu", device_type="mlu",
            backend="cncl", visible_env="MLU_VISIBLE_DEVICES",
            container_env="CAMBRICON_VISIBLE_DEVICES", k8s_resource="cambricon.com/mlu",
-           default_model="mlu"),
+           default_model="mlu", health_cmd=("cnmon", "info")),
         _F(name="hygon", title="Hygon DCU", extension=None, device_type="cuda", backend="nccl",
            visible_env="HIP_VISIBLE_DEVICES", container_env="HYGON_VISIBLE_DEVICES",
-           k8s_resource="hygon.com/dcu", default_model="dcu"),
+           k8s_resource="hygon.com/dcu", default_model="dcu", health_cmd=("hy-smi",)),
         _F(name="kunlunxin", title="Kunlunxin XPU", extension="torch_xmlir", device_type="cuda",
            backend="nccl", visible_env="XPU_VISIBLE_DEVICES", container_env=None,
-           k8s_resource="kunlunxin.com/xpu", default_model="p800"),
+           k8s_resource="kunlunxin.com/xpu", default_model="p800", health_cmd=("xpu-smi",)),
         _F(name="mthreads", title="Moore Threads MUSA", extension="torch_musa", device_type="musa",
            backend="mccl", visible_env="MUSA_VISIBLE_DEVICES",
            container_env="MTHREADS_VISIBLE_DEVICES", k8s_resource="mthreads.com/gpu",
-           default_model="gpu"),
+           default_model="gpu", health_cmd=("mthreads-gmi",)),
         _F(name="metax", title="MetaX MACA", extension=None, device_type="cuda", backend="nccl",
            visible_env="CUDA_VISIBLE_DEVICES", container_env="CUDA_VISIBLE_DEVICES",
-           k8s_resource="metax-tech.com/gpu", default_model="gpu"),
+           k8s_resource="metax-tech.com/gpu", default_model="gpu", health_cmd=("mx-smi",)),
         _F(name="iluvatar", title="Iluvatar CoreX", extension=None, device_type="cuda",
            backend="nccl", visible_env="CUDA_VISIBLE_DEVICES", container_env="IX_VISIBLE_DEVICES",
-           k8s_resource="iluvatar.com/gpu", default_model="gpu"),
+           k8s_resource="iluvatar.com/gpu", default_model="gpu", health_cmd=("ixsmi", "-L")),
         _F(name="enflame", title="Enflame GCU", extension="torch_gcu", device_type="gcu",
            backend="eccl", visible_env="TOPS_VISIBLE_DEVICES",
            container_env="ENFLAME_VISIBLE_DEVICES", k8s_resource="enflame.com/gcu",
-           default_model="gcu"),
+           default_model="gcu", health_cmd=("efsmi", "-L")),
         _F(name="biren", title="Biren SUPA", extension="torch_supa", device_type="supa",
            backend="bccl", visible_env="SUPA_VISIBLE_DEVICES", container_env=None,
-           k8s_resource="birentech.com/gpu", default_model="gpu"),
+           k8s_resource="birentech.com/gpu", default_model="gpu",
+           health_cmd=("brsmi", "gpu", "list")),
         _F(name="gaudi", title="Intel Gaudi", extension="habana_frameworks.torch",
            device_type="hpu", backend="hccl", visible_env="HABANA_VISIBLE_MODULES",
            container_env="HABANA_VISIBLE_DEVICES", k8s_resource="habana.ai/gaudi",
-           default_model="gaudi"),
+           default_model="gaudi",
+           health_cmd=("hl-smi", "-Q", "index,module_id", "-f", "csv")),
         _F(name="intel-xpu", title="Intel XPU", extension=None, device_type="xpu", backend="xccl",
            visible_env="ZE_AFFINITY_MASK", container_env=None, k8s_resource="gpu.intel.com/xe",
-           default_model="gpu"),
+           default_model="gpu", health_cmd=("xpu-smi", "discovery", "-j")),
     )
 }
 
@@ -120,7 +128,11 @@ def get_family(name: str, env: dict[str, str] | None = None) -> ChipFamily:
         ) from None
     env = os.environ if env is None else env
     prefix = f"TRAINFLOW_CHIP_{name.upper().replace('-', '_')}_"
-    overrides = {f: env[prefix + f.upper()] for f in _OVERRIDABLE if prefix + f.upper() in env}
+    overrides: dict = {f: env[prefix + f.upper()] for f in _OVERRIDABLE if prefix + f.upper() in env}
+    if prefix + "HEALTH_CMD" in env:
+        import shlex
+
+        overrides["health_cmd"] = tuple(shlex.split(env[prefix + "HEALTH_CMD"])) or None
     return replace(family, **overrides) if overrides else family
 
 

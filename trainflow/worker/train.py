@@ -96,11 +96,21 @@ def user_code(rank: int, fn, *args):
         raise UserCodeError(rank, f"{type(exc).__name__}: {exc}") from exc
 
 
+def save_error(exc: BaseException) -> str:
+    """One line per failing rank for a failed save (DCP wraps them with their tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(failures.items()))[:1000]
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
 def run(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
     from trainflow.chips.registry import get_family
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from trainflow.checkpoint import dcp
     from trainflow.data import shard_indices
     from trainflow.faults import FaultInjector
@@ -136,7 +146,7 @@ def run(run_dir: Path) -> int:
     dist.init_process_group(backend=family.composite_backend)
     say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
 
-    injector = FaultInjector(spec.faults, run_dir=run_dir, rank=rank)
+    injector = FaultInjector(spec.faults, run_dir=run_dir, rank=rank, heartbeat=beat)
     workload = user_code(rank, load_workload, spec)
     model = wrap(workload.model.to(device), spec, workload.shard_modules, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
@@ -166,15 +176,22 @@ def run(run_dir: Path) -> int:
             record(run_dir, "resumed", step=start, checkpoint=choice[0]["path"])
 
     committed: list = []
+
+    def on_commit(ref) -> None:
+        committed.append(ref)
+        injector.save_finished(ref.step, ok=True)
+
+    def on_error(step: int, exc: BaseException) -> None:
+        error = save_error(exc)
+        say(f"WARNING checkpoint of step {step} failed ({error}); "
+            f"the previous verified checkpoint stays the newest")
+        record(run_dir, "checkpoint_failed", step=step, rank=rank, error=error)
+        injector.save_finished(step, ok=False)
+
     checkpointer = None
     if spec.checkpoint_mode == "async":
-        def on_error(step: int, exc: BaseException) -> None:
-            say(f"WARNING checkpoint of step {step} failed ({type(exc).__name__}: {exc}); "
-                f"the previous verified checkpoint stays the newest")
-            record(run_dir, "checkpoint_failed", step=step, rank=rank, error=f"{type(exc).__name__}: {exc}")
-
         checkpointer = dcp.AsyncCheckpointer(root=ckpt_root, world_size=world, training_hash=thash,
-                                             keep_last=spec.keep_last, on_commit=committed.append,
+                                             keep_last=spec.keep_last, on_commit=on_commit,
                                              on_error=on_error)
     n, window_t, window_s = len(workload.train), time.time(), start
     loss_value, samples_per_s, last_ckpt, compute_ewma = float("nan"), 0.0, start, None
@@ -208,11 +225,19 @@ def run(run_dir: Path) -> int:
                       checkpoint_step=last_ckpt, force=True)
             t_save = time.perf_counter()
             if checkpointer is not None:
+                if injector.ballast_outlived(last_ckpt) and checkpointer.wait():
+                    # Only rank 0 hears of a committed save; a failed one would have
+                    # released the ballast already, so the previous save succeeded.
+                    injector.save_finished(last_ckpt, ok=True)
                 checkpointer.save(model, optimizer, step=done)
             else:
-                ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
-                               training_hash=thash, keep_last=spec.keep_last)
-                committed.append(ref) if ref is not None else None
+                try:
+                    ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
+                                   training_hash=thash, keep_last=spec.keep_last)
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
+                    on_error(done, exc)
+                else:
+                    on_commit(ref) if ref is not None else injector.save_finished(done, ok=True)
             stall_ms = 1000 * (time.perf_counter() - t_save)
             last_ckpt = done
             if rank == 0:
@@ -225,6 +250,8 @@ def run(run_dir: Path) -> int:
                 f"manifest {ref.manifest_sha256[:12]})")
     if checkpointer is not None:
         checkpointer.close()
+        if injector.ballast_outlived(last_ckpt):
+            injector.save_finished(last_ckpt, ok=True)
         for ref in committed:
             injector.after_checkpoint(ref.step, Path(ref.path))
     beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,

@@ -1,0 +1,89 @@
+"""Host failure history, cordons and the node preflight (real subprocesses and sockets)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from trainflow import preflight
+from trainflow.cluster.hosts import CordonPolicy, HostRegistry
+from trainflow.errors import PreflightError
+from trainflow.launch.local import free_port
+
+POLICY = CordonPolicy(failures=3, window_s=60)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    return HostRegistry(tmp_path / "state.db")
+
+
+def test_failures_in_the_window_cordon_the_host(registry):
+    assert registry.record_failure("h1", reason="a", run_key="r", node=0, policy=POLICY, now=0) is None
+    assert registry.record_failure("h1", reason="b", run_key="r", node=0, policy=POLICY, now=100) is None
+    # The first failure left the 60 s window: two recent ones are not enough.
+    assert registry.record_failure("h1", reason="c", run_key="r", node=1, policy=POLICY, now=110) is None
+    cordon = registry.record_failure("h1", reason="d", run_key="s", node=0, policy=POLICY, now=120)
+    assert cordon is not None and cordon.since == 120 and "3 failures in 60s, last: d" in cordon.reason
+    assert registry.cordoned("h2") is None
+    (h1,) = registry.hosts(policy=POLICY, now=121)
+    assert h1["host"] == "h1" and h1["recent_failures"] == 3 and h1["cordoned"]
+    assert registry.uncordon("h1") and registry.cordoned("h1") is None
+    assert registry.hosts(policy=POLICY, now=121) == []
+
+
+def test_cordon_policy_from_env():
+    assert CordonPolicy.from_env({}) == CordonPolicy(3, 600.0)
+    assert CordonPolicy.from_env({"TRAINFLOW_CORDON_FAILURES": "1",
+                                  "TRAINFLOW_CORDON_WINDOW_S": "30"}) == CordonPolicy(1, 30.0)
+    with pytest.raises(ValueError, match="TRAINFLOW_CORDON_FAILURES"):
+        CordonPolicy.from_env({"TRAINFLOW_CORDON_FAILURES": "0"})
+
+
+def _plan(tmp_path, port):
+    return {"spec": {"chip": "cpu"}, "run_dir": str(tmp_path / "run"),
+            "rendezvous": {"endpoint": f"127.0.0.1:{port}"}}
+
+
+def test_preflight_passes_on_a_healthy_host(tmp_path, registry, monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    checks = preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
+    assert [c.name for c in checks] == ["chip_health", "free_disk", "rendezvous"]
+    assert all(c.ok for c in checks)
+
+
+def test_failed_chip_health_cordons_and_a_later_pass_lifts_it(tmp_path, registry, monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "sh -c 'echo ECC errors >&2; exit 4'")
+    with pytest.raises(PreflightError, match=r"node 1 on host h failed preflight: chip_health: .*exited 4: ECC"):
+        preflight.run(_plan(tmp_path, free_port()), 1, host="h", registry=registry, policy=POLICY)
+    assert "chip health check failed" in registry.cordoned("h").reason
+    with pytest.raises(PreflightError, match=r"cordon: host h cordoned since .* health check failed"):
+        preflight.run(_plan(tmp_path, free_port()), 1, host="h", registry=registry, policy=POLICY)
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    checks = preflight.run(_plan(tmp_path, free_port()), 1, host="h", registry=registry, policy=POLICY)
+    assert checks[0].name == "cordon" and "cordon lifted" in checks[0].detail
+    assert registry.cordoned("h") is None
+
+
+def test_missing_health_tool_names_the_fix(tmp_path, registry, monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "no-such-smi -L")
+    with pytest.raises(PreflightError, match="not found on this host.*TRAINFLOW_CHIP_CPU_HEALTH_CMD"):
+        preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
+
+
+def test_preflight_refuses_a_full_checkpoint_disk(tmp_path, registry, monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", str(2**40))  # more than any disk
+    with pytest.raises(PreflightError, match=r"free_disk: .* MiB free on .* needed; free space"):
+        preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
+
+
+def test_rendezvous_check(tmp_path):
+    with socket.socket() as server:  # a store that answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert preflight.rendezvous_reachable(f"127.0.0.1:{server.getsockname()[1]}").ok
+    refused = preflight.rendezvous_reachable(f"127.0.0.1:{free_port()}")
+    assert refused.ok and "not up yet" in refused.detail  # the first agent will host it
+    lost = preflight.rendezvous_reachable("rdzv.invalid:29400", timeout=0.5)  # RFC 2606: never resolves
+    assert not lost.ok and "unreachable" in lost.detail

@@ -1,0 +1,119 @@
+"""The preflight a node passes before it joins its gang.
+
+Checks, in order: the host is not cordoned (or, if it is, passes its chip health check,
+which lifts the cordon); the chip family's health command succeeds; the checkpoint
+filesystem has room for the next checkpoint; the rendezvous endpoint is reachable. A
+failing node never starts its agent, so it never joins the gang; its task fails as an
+infrastructure error and Airflow's retry places it again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainflow.cluster.hosts import CordonPolicy, HostRegistry
+from trainflow.errors import PreflightError
+
+# Floor of free space on the checkpoint filesystem: TRAINFLOW_PREFLIGHT_MIN_FREE_MB.
+MIN_FREE_MB = 256
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def chip_health(family, *, timeout: float = 30.0) -> Check:
+    """Run the family's health command in a subprocess (exit 0 = healthy)."""
+    if not family.health_cmd:
+        return Check("chip_health", True, f"{family.name}: no health command (nothing to check)")
+    try:
+        done = subprocess.run(list(family.health_cmd), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return Check("chip_health", False, f"{family.name}: health command {family.health_cmd[0]!r} "
+                     f"not found on this host; install the vendor tools or set "
+                     f"TRAINFLOW_CHIP_{family.name.upper().replace('-', '_')}_HEALTH_CMD")
+    except subprocess.TimeoutExpired:
+        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} "
+                     f"did not answer in {timeout:g}s")
+    tail = (done.stderr or done.stdout).strip()[-300:]
+    if done.returncode != 0:
+        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} exited "
+                     f"{done.returncode}: {tail}")
+    return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok")
+
+
+def free_disk(checkpoint_root: Path, *, newest_bytes: int, min_free_mb: float) -> Check:
+    """Room for two more checkpoints of the newest one's size, and never under the floor."""
+    root = Path(checkpoint_root)
+    while not root.exists():
+        root = root.parent
+    free = shutil.disk_usage(root).free
+    need = max(int(min_free_mb * 2**20), 2 * newest_bytes)
+    ok = free >= need
+    return Check("free_disk", ok, f"{free / 2**20:.0f} MiB free on {root}, "
+                 f"{need / 2**20:.0f} MiB needed" + ("" if ok else "; free space or lower keep_last"))
+
+
+def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0) -> Check:
+    """The rendezvous host answers on the network.
+
+    A refused connection counts as reachable: the host answered, and the store is not up
+    until the first agent starts it. A timeout or an unreachable network fails.
+    """
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return Check("rendezvous", True, f"{endpoint} answers")
+    except ConnectionRefusedError:
+        return Check("rendezvous", True, f"{host} answers; the store on port {port} is not up yet")
+    except OSError as exc:
+        return Check("rendezvous", False, f"{endpoint} unreachable from this host: {exc}")
+
+
+def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = None,
+        policy: CordonPolicy | None = None, now: float | None = None) -> list[Check]:
+    """Every check for ``node`` of ``plan`` on ``host``; raises if any fails.
+
+    Raises:
+        PreflightError: naming the failed checks (the host is cordoned when its chip
+            health check fails).
+    """
+    from trainflow.checkpoint.manifest import newest_verified
+    from trainflow.chips.registry import get_family
+
+    now = time.time() if now is None else now
+    registry = registry or HostRegistry()
+    policy = policy or CordonPolicy.from_env()
+    family = get_family(plan["spec"]["chip"])
+    health = chip_health(family)
+    checks = []
+    cordon = registry.cordoned(host)
+    if cordon is not None:
+        healed = health.ok
+        if healed:
+            registry.uncordon(host)
+        checks.append(Check("cordon", healed, f"host {host} cordoned since {cordon.since:.0f} "
+                            f"({cordon.reason}); health check "
+                            f"{'passed: cordon lifted' if healed else 'failed'}"))
+    elif not health.ok:
+        registry.cordon(host, reason=f"chip health check failed: {health.detail}", now=now)
+    checks.append(health)
+    ckpt_root = Path(plan["run_dir"]) / "checkpoints"
+    newest = newest_verified(ckpt_root) if ckpt_root.is_dir() else None
+    floor = float(os.environ.get("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", MIN_FREE_MB))
+    checks.append(free_disk(ckpt_root, newest_bytes=newest.bytes if newest else 0, min_free_mb=floor))
+    checks.append(rendezvous_reachable(plan["rendezvous"]["endpoint"]))
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        raise PreflightError(f"node {node} on host {host} failed preflight: "
+                             + "; ".join(f"{c.name}: {c.detail}" for c in failed))
+    return checks
