@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any, Mapping
 
-from airflow.sdk import DAG, Asset, Param
+from airflow.sdk import DAG, Asset, ExceptionRetryPolicy, Param, RetryAction, RetryRule
 
 from trainflow.chips.registry import queue_for
 from trainflow.spec import TrainingSpec, param_schema
@@ -18,6 +18,17 @@ from trainflow.spec import TrainingSpec, param_schema
 def checkpoint_asset(dag_id: str) -> Asset:
     """The asset whose events announce new verified checkpoints of ``dag_id``."""
     return Asset(name=f"{dag_id}_checkpoint", uri=f"trainflow://checkpoints/{dag_id}")
+
+
+# Node tasks: deterministic failures end the run at once; infrastructure failures
+# (a killed or replaced node, a failed preflight, an agent that gave up) are retried
+# after one second, so the gang is whole again quickly.
+NODE_RETRY_POLICY = ExceptionRetryPolicy(rules=[
+    RetryRule(exception=["trainflow.errors.RunAbortedError", "trainflow.errors.SpecError"],
+              action=RetryAction.FAIL, reason="deterministic failure: a retry cannot help"),
+    RetryRule(exception="trainflow.errors.TrainingError", action=RetryAction.RETRY,
+              retry_delay=timedelta(seconds=1), reason="infrastructure failure: replace the node"),
+])
 
 
 def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
@@ -58,7 +69,7 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
                                       retry_delay=timedelta(seconds=5), node_pool=node_pool)
         shards = ShardTrainOperator.partial(
             task_id="shard_train", queue=queue_for(spec.chip), retries=10,
-            retry_delay=timedelta(seconds=2),
+            retry_delay=timedelta(seconds=2), retry_policy=NODE_RETRY_POLICY,
         ).expand_kwargs(provision.output)
         watch = HeartbeatSensor(task_id="heartbeat_watch", retries=0)
         sync = CheckpointSyncOperator(task_id="checkpoint_sync", retries=2,

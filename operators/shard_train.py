@@ -16,8 +16,10 @@ class ShardTrainOperator(BaseOperator):
     this task's log; ``on_kill`` tears the whole process tree down. The newest checkpoint
     this node saw is kept in ``task_state_store`` (it survives retries) and pushed as XCom
     ``checkpoint``. Before the agent starts, the node passes its preflight
-    (``trainflow.preflight``: cordon, chip health, free disk, rendezvous); infrastructure
-    failures of the node are recorded against its host, which is cordoned after too many.
+    (``trainflow.cluster.nodes.NodeTry``: cordon, chip health, free disk, rendezvous);
+    infrastructure failures of the node are charged to its host, which is cordoned after
+    too many. Failures raise trainflow's own errors, which the DAG's retry policy sorts:
+    ``RunAbortedError`` fails at once, other ``TrainingError``\ s retry after 1 s.
 
     :param node: node index in the gang (templated).
     :param plan_path: the run's plan.json written by provision (templated).
@@ -32,21 +34,16 @@ class ShardTrainOperator(BaseOperator):
         self._agent: Subprocess | None = None
 
     def execute(self, context) -> dict[str, Any]:
-        import json
         import os
-        import time
         from pathlib import Path
 
-        from airflow.sdk.exceptions import AirflowException, AirflowFailException
+        from airflow.sdk.exceptions import AirflowFailException
 
-        from trainflow import preflight
         from trainflow.checkpoint.manifest import newest_verified
-        from trainflow.cluster.hosts import CordonPolicy, HostRegistry, host_name
-        from trainflow.errors import PreflightError
+        from trainflow.cluster.nodes import NodeTry
+        from trainflow.errors import HeartbeatTimeoutError, LaunchError, RunAbortedError
         from trainflow.heartbeat import read_all
         from trainflow.remediation import aborted as read_abort
-        from trainflow.timeline import record
-        from trainflow.workspace import write_json_atomic
 
         run_dir = Path(self.plan_path).parent
         plan = load_plan(run_dir)
@@ -59,50 +56,18 @@ class ShardTrainOperator(BaseOperator):
         if store is not None and (prev := store.get("checkpoint")):
             self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
         if (abort := read_abort(run_dir)) is not None:
-            raise AirflowFailException(abort_message(abort))
-        host, hosts, policy = host_name(), HostRegistry(), CordonPolicy.from_env()
-        run_key = f"{plan['tenant']}/{plan['dag_id']}/{plan['run_id']}"
-
-        def host_failed(reason: str) -> None:
-            cordon = hosts.record_failure(host, reason=reason, run_key=run_key, node=node, policy=policy)
-            if cordon is not None:
-                self.log.warning("host %s is cordoned: %s", host, cordon.reason)
-                record(run_dir, "host_cordoned", host=host, node=node, reason=cordon.reason)
-
-        marker = run_dir / "nodes" / f"task-{node:04d}.json"
-        if marker.exists() and "ended" not in (last := json.loads(marker.read_text())):
-            # The previous try died without a word (SIGKILL, its host lost): its host failed.
-            hosts.record_failure(last["host"], reason=f"node {node} task of try {last['try']} died",
-                                 run_key=run_key, node=node, policy=policy)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(marker, {"host": host, "try": try_number, "pid": os.getpid()})
-        try:
-            for check in preflight.run(plan, node, host=host, registry=hosts, policy=policy):
-                self.log.info("preflight %s: %s", check.name, check.detail)
-        except PreflightError as exc:
-            record(run_dir, "preflight_failed", node=node, host=host, message=str(exc))
-            host_failed(str(exc))
-            write_json_atomic(marker, {"host": host, "try": try_number, "ended": "preflight_failed"})
-            raise AirflowException(str(exc)) from exc
-        request = run_dir / "control" / f"restart-node-{node:04d}.json"
-        started = time.time()
+            raise RunAbortedError(abort_message(abort))
+        attempt = NodeTry(plan, node, try_number)
+        for check in attempt.begin():
+            self.log.info("preflight %s: %s", check.name, check.detail)
 
         def poll() -> str | None:
-            if read_abort(run_dir) is not None:
-                return "abort"
-            if request.exists():
-                handled = request.with_name(f"{request.name}.handled-try{try_number}")
-                os.replace(request, handled)
-                if json.loads(handled.read_text())["time"] >= started:
-                    return f"restart requested by the heartbeat watch: {handled.read_text()}"
-                self.log.info("ignoring a replacement request older than this try")
-            return None
+            return "abort" if read_abort(run_dir) is not None else attempt.replacement_requested()
 
         self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
                                   "--plan", self.plan_path, "--node", str(node)], log=self.log,
                                  env={"TRAINFLOW_NODE_TASK_PID": str(os.getpid())})
         rc = self._agent.run(poll=poll)
-        write_json_atomic(marker, {"host": host, "try": try_number, "ended": str(rc)[:200]})
         ckpt = newest_verified(run_dir / "checkpoints")
         if ckpt is not None:
             pointer = {"step": ckpt.step, "path": ckpt.path, "manifest_sha256": ckpt.manifest_sha256}
@@ -110,17 +75,19 @@ class ShardTrainOperator(BaseOperator):
                 store.set("checkpoint", pointer)
             context["ti"].xcom_push(key="checkpoint", value=pointer)
         if (abort := read_abort(run_dir)) is not None:
-            raise AirflowFailException(abort_message(abort))
+            attempt.end("aborted")
+            raise RunAbortedError(abort_message(abort))
         if isinstance(rc, str):
-            host_failed(f"node {node} replaced: {rc}")
-            raise AirflowException(f"node {node} killed for replacement: {rc}")
+            attempt.end("replaced", failure=f"node {node} replaced: {rc}")
+            raise HeartbeatTimeoutError(f"node {node} killed for replacement: {rc}")
         if rc != 0:
-            host_failed(f"node {node} agent exited with code {rc}")
-            raise AirflowException(f"node {node} agent exited with code {rc}")
+            attempt.end(f"exit {rc}", failure=f"node {node} agent exited with code {rc}")
+            raise LaunchError(f"node {node} agent exited with code {rc}")
+        attempt.end("succeeded")
         mine = {r: b for r, b in read_all(run_dir / "heartbeats").items() if b.get("node") == node}
         return {
             "node": node,
-            "host": host,
+            "host": attempt.host,
             "ranks": sorted(mine),
             "step": min((b["step"] for b in mine.values()), default=0),
             "loss": {str(r): b.get("loss") for r, b in sorted(mine.items())},

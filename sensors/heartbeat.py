@@ -16,6 +16,10 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators._common import RUN_DIR_TEMPLATE
 
+# Polls in a row a straggler must stay flagged before its node is excluded (reporting
+# takes 3): a rank slowed for a few seconds by a noisy neighbour is reported, not replaced.
+EXCLUDE_POLLS = 10
+
 
 class HeartbeatTrigger(BaseTrigger):
     """Poll ``<run_dir>/heartbeats`` until every rank is done, or one stalls.
@@ -27,12 +31,15 @@ class HeartbeatTrigger(BaseTrigger):
     :param started_at: wall-clock start of the watch (kept across trigger restarts).
     :param poll_interval: seconds between polls.
     :param max_remediations: node replacements requested before the watch gives up.
+    :param straggler_margin: compute-time excess over the peers' median that flags a straggler.
+    :param exclude_stragglers: replace a confirmed straggler's node after the next checkpoint.
     """
 
     def __init__(self, *, run_dir: str, world_size: int, timeout: float, startup_timeout: float,
                  started_at: float, poll_interval: float = 1.0, max_remediations: int = 0,
-                 straggler_margin: float = 0.5) -> None:
+                 straggler_margin: float = 0.5, exclude_stragglers: bool = False) -> None:
         super().__init__()
+        self.exclude_stragglers = exclude_stragglers
         self.max_remediations = max_remediations
         self.straggler_margin = straggler_margin
         self.run_dir = run_dir
@@ -47,7 +54,7 @@ class HeartbeatTrigger(BaseTrigger):
             "run_dir": self.run_dir, "world_size": self.world_size, "timeout": self.timeout,
             "startup_timeout": self.startup_timeout, "started_at": self.started_at,
             "poll_interval": self.poll_interval, "max_remediations": self.max_remediations,
-            "straggler_margin": self.straggler_margin,
+            "straggler_margin": self.straggler_margin, "exclude_stragglers": self.exclude_stragglers,
         })
 
     def check(self, now: float):
@@ -59,9 +66,12 @@ class HeartbeatTrigger(BaseTrigger):
                         world_size=self.world_size, started_at=self.started_at,
                         policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout))
 
-    def watch_stragglers(self, run_dir, suspects: dict[int, int], reported: set[int]) -> None:
-        """Report a rank flagged as a straggler in 3 consecutive polls (once per rank)."""
+    def watch_stragglers(self, run_dir, suspects: dict[int, int], reported: dict[int, dict]) -> None:
+        """Report a rank flagged as a straggler in 3 consecutive polls (once per rank);
+        with ``exclude_stragglers``, replace its node once a newer checkpoint commits."""
+        from trainflow.checkpoint.manifest import list_checkpoints
         from trainflow.heartbeat import find_stragglers, read_all
+        from trainflow.remediation import exclude_straggler
         from trainflow.timeline import record
 
         found = {s["rank"]: s for s in find_stragglers(read_all(run_dir / "heartbeats"),
@@ -69,14 +79,28 @@ class HeartbeatTrigger(BaseTrigger):
         for rank in list(suspects):
             if rank not in found:
                 del suspects[rank]
+        newest = next(iter(list_checkpoints(run_dir / "checkpoints")), (0, None))[0]
         for rank, info in found.items():
             suspects[rank] = suspects.get(rank, 0) + 1
             if suspects[rank] >= 3 and rank not in reported:
-                reported.add(rank)
+                reported[rank] = {**info, "confirmed_at_checkpoint": newest}
                 self.log.warning("straggler: rank %d on node %s computes %.2f ms/step, %.0f%% slower "
                                  "than the median of its peers (%.2f ms)", rank, info["node"],
                                  info["compute_ms"], 100 * info["slower_by"], info["median_ms"])
                 record(run_dir, "straggler", **info)
+        if not self.exclude_stragglers:
+            return
+        for rank, info in reported.items():
+            # Still flagged, for EXCLUDE_POLLS polls in a row, and a newer checkpoint is safe.
+            if not info.get("excluded") and suspects.get(rank, 0) >= EXCLUDE_POLLS \
+                    and newest > info["confirmed_at_checkpoint"]:
+                info["excluded"] = True
+                node = exclude_straggler(run_dir, info, checkpoint_step=newest, now=time.time())
+                # The re-formed gang's startup window opens once the node is gone; until
+                # then its peers still train, so their progress must not count as a stall.
+                self.started_at = time.time() + self.timeout
+                self.log.warning("straggler rank %d: checkpoint %d committed, replacing node %d",
+                                 rank, newest, node)
 
     def event(self, status: str, verdict: str, message: str, result=None) -> TriggerEvent:
         return TriggerEvent({
@@ -94,7 +118,7 @@ class HeartbeatTrigger(BaseTrigger):
 
         run_dir, last = Path(self.run_dir), None
         suspects: dict[int, int] = {}  # rank → consecutive polls flagged
-        reported: set[int] = set()
+        reported: dict[int, dict] = {}  # rank → its straggler report
         while True:
             await asyncio.to_thread(self.watch_stragglers, run_dir, suspects, reported)
             abort = await asyncio.to_thread(aborted, run_dir)
@@ -153,7 +177,8 @@ class HeartbeatSensor(BaseSensorOperator):
                 timeout=spec["heartbeat_timeout"], startup_timeout=spec["startup_timeout"],
                 started_at=time.time(), poll_interval=self.poll_interval,
                 max_remediations=spec["retries"] * spec["nodes"],
-                straggler_margin=spec["straggler_margin"]),
+                straggler_margin=spec["straggler_margin"],
+                exclude_stragglers=spec.get("exclude_stragglers", False)),
             method_name="execute_complete",
         )
 

@@ -69,6 +69,11 @@ class ChipUnavailableError(TrainingError):
     """The worker lacks the chip family's extension: a misrouted or misbuilt worker."""
 
 
+class RunAbortedError(TrainingError):
+    """The run was stopped for a reason no retry can heal (a bug in user code, a crash
+    loop, a worker without its chip extension): every node task fails at once."""
+
+
 class PreflightError(TrainingError):
     """A node failed its preflight (cordoned host, chip health, disk, rendezvous) and
     did not join the gang; a retry may place it on a healthy host."""

@@ -18,14 +18,14 @@ def fault_records(events: list[dict]) -> list[dict]:
     """Pair each fault (injected or detected) with the next resume after it."""
     out: list[dict] = []
     for e in events:
-        if e["event"] in ("fault_injected", "stall_detected", "user_error"):
+        if e["event"] in ("fault_injected", "stall_detected", "user_error", "straggler_excluded"):
             if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1] \
                     and out[-1]["kind"] not in ("fill_disk", "slow_rank"):
                 out[-1]["detected_time"] = e["time"]  # the watch detected the injected fault
                 out[-1]["detection_s"] = round(e["time"] - out[-1]["time"], 3)
                 out[-1]["restarts"] = True
                 continue
-            kind = e.get("kind", e["event"])
+            kind = e["event"] if e["event"] == "straggler_excluded" else e.get("kind", e["event"])
             out.append({"kind": kind, "time": e["time"], "step": e.get("step"),
                         "restarts": kind not in NO_RESTART,
                         **({"detected_time": e["time"], "detection_s": 0.0}

@@ -71,14 +71,14 @@ class HeartbeatWriter:
         self._muted_until = 0.0
 
     def mute(self, *, until: float) -> None:
-        """Withhold every heartbeat until ``until`` (the delay_heartbeats fault)."""
+        """Withhold heartbeats until ``until`` (the delay_heartbeats fault); DONE still goes out."""
         self._muted_until = until
 
     def beat(self, *, step: int, total: int, state: RankState, force: bool = False, **extra) -> None:
         now = time.time()
         if step != self._step:
             self._step, self._progress_at = step, now
-        if now < self._muted_until:
+        if now < self._muted_until and state != RankState.DONE:  # the last word always goes out
             return
         if not force and state == self._last_state and now - self._last_write < self.interval:
             return

@@ -12,25 +12,32 @@ _MARKS = {"fault_injected": ("tab:red", "fault"), "stall_detected": ("tab:orange
 
 
 def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:
-    """Training progress (step over time) with faults, detections and resumes marked.
+    """Progress, faults, recovery and loss of a run, in two panels.
 
-    Progress points come from the timeline (gang starts, first steps, checkpoints), so the
-    plot shows the steps redone after each fault. Returns the PNG path, or None when the
-    timeline has no progress yet.
+    Top: step over time (from the timeline and rank 0's curve), with
+    faults, detections and resumes marked, each fault's downtime shaded up to its resume,
+    and the run's goodput in the title. Bottom: rank 0's training loss over steps
+    (``curve.jsonl``); the steps redone after a fault are drawn again on top. Returns the
+    PNG path, or None when the timeline has no progress yet.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainflow.goodput import fault_records, summarize
+
     events = timeline.read(run_dir)
     points = [(e["time"], e["step"]) for e in events
               if e["event"] in ("gang_start", "first_step", "checkpoint_stall", "resumed") and "step" in e]
     if not points:
         return None
+    curve = timeline.read_lines(Path(run_dir) / "curve.jsonl")
+    points = sorted(points + [(c["time"], c["step"]) for c in curve])
     t0 = min(t for t, _ in points)
-    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
-    ax.plot([t - t0 for t, _ in points], [s for _, s in points], marker=".", lw=1.2, label="step")
+    t1 = max([t for t, _ in points] + [c["time"] for c in curve])
+    fig, (ax, lx) = plt.subplots(2, 1, figsize=(8, 6), dpi=100, gridspec_kw={"height_ratios": [3, 2]})
+    ax.plot([t - t0 for t, _ in points], [s for _, s in points], lw=1.2, label="step")
     seen = set()
     for e in events:
         if e["event"] in _MARKS:
@@ -38,11 +45,34 @@ def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:
             ax.axvline(e["time"] - t0, color=color, ls="--", lw=1,
                        label=None if label in seen else label)
             seen.add(label)
+    for f in fault_records(events):
+        if "resumed_time" in f:
+            ax.axvspan(f["time"] - t0, f["resumed_time"] - t0, color="tab:red", alpha=0.12,
+                       label=None if "downtime" in seen else "downtime")
+            seen.add("downtime")
+    steps = max(s for _, s in points)
+    good = summarize(run_dir, started=t0, ended=t1, steps=steps)
     ax.set_xlabel("seconds since the gang started")
-    ax.set_ylabel("step (starts and checkpoints)")
-    ax.set_title(f"progress and faults — {Path(run_dir).name}", fontsize=10)
+    ax.set_ylabel("step")
+    ax.set_title(f"{Path(run_dir).name}: goodput {100 * good['goodput']:.1f}% — "
+                 f"{len(good['faults'])} faults, {good['recovery_s']:.1f}s recovering, "
+                 f"{good['steps_lost']} steps redone", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
+    # One line per stretch of monotonically increasing steps: a redo starts a new line.
+    runs: list[list[dict]] = []
+    for c in curve:
+        if not runs or c["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(c)
+    for i, part in enumerate(runs):
+        lx.plot([c["step"] for c in part], [c["loss"] for c in part], lw=1,
+                label="loss" if i == 0 else ("redone after a fault" if i == 1 else None))
+    lx.set_xlabel("step")
+    lx.set_ylabel("training loss (rank 0)")
+    if curve:
+        lx.legend(loc="upper right", fontsize=8)
+    lx.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out or Path(run_dir) / "progress.png")
     fig.savefig(out)

@@ -29,15 +29,35 @@ def remediations(run_dir: Path) -> int:
     return len(list(control.glob("restart-node-*"))) if control.is_dir() else 0
 
 
+def _request(run_dir: Path, node: int, payload: dict) -> None:
+    control = Path(run_dir) / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(control / f"restart-node-{node:04d}.json", payload)
+
+
 def request_node_restart(run_dir: Path, result: Classification, now: float) -> list[int]:
     """Ask the nodes of the stalled ranks to restart; returns the node indices."""
     beats = read_all(Path(run_dir) / "heartbeats")
     nodes = sorted({int(beats[r]["node"]) for r in result.ranks if r in beats})
-    control = Path(run_dir) / "control"
-    control.mkdir(parents=True, exist_ok=True)
     for node in nodes:
-        write_json_atomic(control / f"restart-node-{node:04d}.json",
-                          {"time": now, "reason": result.message, "ranks": list(result.ranks)})
+        _request(run_dir, node, {"time": now, "reason": result.message, "ranks": list(result.ranks)})
     record(run_dir, "stall_detected", verdict=result.verdict.value, ranks=list(result.ranks),
            nodes=nodes, steps={str(k): v for k, v in result.steps.items()}, message=result.message)
     return nodes
+
+
+def exclude_straggler(run_dir: Path, straggler: dict, *, checkpoint_step: int, now: float) -> int:
+    """Replace the straggler's node and cordon its host (the node task does the cordon).
+
+    Called once a checkpoint newer than the straggler's confirmation has committed, so
+    the replacement resumes from it and loses only the restart time.
+    """
+    node = int(straggler["node"])
+    reason = (f"straggler: rank {straggler['rank']} computes {straggler['compute_ms']} ms/step, "
+              f"{100 * straggler['slower_by']:.0f}% slower than its peers' median "
+              f"{straggler['median_ms']} ms")
+    _request(run_dir, node, {"time": now, "reason": reason, "ranks": [straggler["rank"]], "cordon": True})
+    step = read_all(Path(run_dir) / "heartbeats").get(straggler["rank"], {}).get("step")
+    record(run_dir, "straggler_excluded", node=node, rank=straggler["rank"], step=step,
+           checkpoint_step=checkpoint_step, message=reason)
+    return node

@@ -87,6 +87,10 @@ class TrainingSpec:
     straggler_margin: float = field(default=0.5, metadata=_meta(
         "Straggler margin", "A rank whose compute time per step exceeds the median of its "
         "peers by more than this fraction is reported as a straggler.", minimum=0.05, maximum=100))
+    exclude_stragglers: bool = field(default=False, metadata=_meta(
+        "Exclude stragglers", "Replace a node whose rank is a confirmed straggler, right after "
+        "the next checkpoint commits (no work lost), and cordon its host until it passes its "
+        "health check."))
     crash_loop_limit: int = field(default=3, metadata=_meta(
         "Crash-loop limit", "Restarts from the same checkpoint after which the run stops "
         "with a clear error instead of retrying.", minimum=1, maximum=100))
@@ -171,10 +175,15 @@ class TrainingSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-_JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "tuple": "array"}
+_JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "tuple": "array",
+               "bool": "boolean"}
 
 
 def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> None:
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise SpecError(name, value, "must be true or false")
+        return
     if typ == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(name, value, "must be an integer")

@@ -15,10 +15,10 @@ from pathlib import Path
 MAX_LINE = 4096
 
 
-def record(run_dir: Path, event: str, **fields) -> None:
-    """Append one event (a single O_APPEND write of < 4 KiB, so concurrent writers do not tear)."""
-    line = json.dumps({"time": time.time(), "event": event, **fields}, sort_keys=True)[:MAX_LINE - 1]
-    path = Path(run_dir) / "timeline.jsonl"
+def append(path: Path, obj: dict) -> None:
+    """Append one JSON line (a single O_APPEND write of < 4 KiB, so concurrent writers do
+    not tear)."""
+    line = json.dumps(obj, sort_keys=True)[:MAX_LINE - 1]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (line + "\n").encode())
@@ -26,8 +26,14 @@ def record(run_dir: Path, event: str, **fields) -> None:
         os.close(fd)
 
 
-def read(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "timeline.jsonl"
+def record(run_dir: Path, event: str, **fields) -> None:
+    """Append one event to the run's timeline."""
+    append(Path(run_dir) / "timeline.jsonl", {"time": time.time(), "event": event, **fields})
+
+
+def read_lines(path: Path) -> list[dict]:
+    """Every parseable JSON line of ``path`` (none if it does not exist)."""
+    path = Path(path)
     if not path.exists():
         return []
     out = []
@@ -37,3 +43,7 @@ def read(run_dir: Path) -> list[dict]:
         except ValueError:
             continue
     return out
+
+
+def read(run_dir: Path) -> list[dict]:
+    return read_lines(Path(run_dir) / "timeline.jsonl")

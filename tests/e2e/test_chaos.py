@@ -67,18 +67,25 @@ def test_killed_node_task_is_replaced_by_airflow_retry(client, clean, node):
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
 
 
-def test_scheduler_stop_and_restart_mid_run(client, stack, clean):
+LONG = {**CONF, "steps": 3000, "checkpoint_interval": 250}
+
+
+@pytest.fixture(scope="module")
+def clean_long(client):
+    client.wait_for_dag(DAG, timeout=120)
+    client.unpause(DAG)
+    client.trigger(DAG, LONG, run_id="chaos-clean-long")
+    assert client.wait_run(DAG, "chaos-clean-long", timeout=600)["state"] == "success"
+    return client.xcom(DAG, "chaos-clean-long", "evaluate", "metrics")["weights_sha256"]
+
+
+def test_scheduler_stop_and_restart_mid_run(client, stack, clean_long):
     import time
 
     from trainflow.heartbeat import read_all
 
-    long_conf = {**CONF, "steps": 3000, "checkpoint_interval": 250}
-    client.unpause(DAG)
-    client.trigger(DAG, long_conf, run_id="chaos-clean-long")
-    assert client.wait_run(DAG, "chaos-clean-long", timeout=600)["state"] == "success"
-    clean_long = client.xcom(DAG, "chaos-clean-long", "evaluate", "metrics")["weights_sha256"]
     run_id = "chaos-scheduler-restart"
-    client.trigger(DAG, long_conf, run_id=run_id)
+    client.trigger(DAG, LONG, run_id=run_id)
     deadline = time.time() + 180
     run_dir = None
     while time.time() < deadline:  # wait until training is under way
@@ -95,4 +102,52 @@ def test_scheduler_stop_and_restart_mid_run(client, stack, clean):
     stack.start()
     run = client.wait_run(DAG, run_id, timeout=900)
     assert run["state"] == "success"
+    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
+
+
+def _timeline(client, run_id, event):
+    from trainflow.timeline import read
+
+    run_dir = client.xcom(DAG, run_id, "provision", "run_dir")
+    return [e for e in read(run_dir) if e["event"] == event]
+
+
+def test_heartbeats_withheld_past_the_timeout_replace_the_node(client, clean_long):
+    run_id = "chaos-delay-heartbeats"
+    client.trigger(DAG, {**LONG, "faults": [{"kind": "delay_heartbeats", "rank": 1, "step": 500,
+                                             "seconds": 30}]}, run_id=run_id)
+    run = client.wait_run(DAG, run_id, timeout=900)
+    tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
+    assert run["state"] == "success", tis
+    assert tis[("shard_train", 1)]["try_number"] >= 2
+    (stall,) = _timeline(client, run_id, "stall_detected")
+    assert stall["ranks"] == [1]
+    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
+
+
+def test_heartbeats_withheld_within_the_timeout_change_nothing(client, clean):
+    run_id = "chaos-delay-heartbeats-short"
+    run, tis = _run(client, run_id, [{"kind": "delay_heartbeats", "rank": 1, "step": 60, "seconds": 2}])
+    assert run["state"] == "success"
+    assert tis[("shard_train", 0)]["try_number"] == tis[("shard_train", 1)]["try_number"] == 1
+    assert not _timeline(client, run_id, "stall_detected")
+    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
+
+
+def test_straggler_is_reported_and_excluded_after_the_next_checkpoint(client, clean_long):
+    run_id = "chaos-straggler"
+    # Margin 1.0: the injected straggler is ~4× slower; two ranks sharing two busy cores
+    # differ by up to ~70% from noise alone.
+    client.trigger(DAG, {**LONG, "exclude_stragglers": True, "straggler_margin": 1.0,
+                         "faults": [{"kind": "slow_rank", "rank": 1, "step": 100}]}, run_id=run_id)
+    run = client.wait_run(DAG, run_id, timeout=900)
+    tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
+    assert run["state"] == "success", tis
+    assert tis[("shard_train", 1)]["try_number"] == 2 and tis[("shard_train", 0)]["try_number"] == 1
+    (excluded,) = _timeline(client, run_id, "straggler_excluded")
+    (resumed,) = _timeline(client, run_id, "resumed")
+    assert excluded["node"] == 1 and resumed["step"] == excluded["checkpoint_step"] > 100
+    assert _timeline(client, run_id, "host_cordoned")  # lifted by the replacement's preflight
+    watch = client.xcom(DAG, run_id, "heartbeat_watch", "return_value")
+    assert any(s["rank"] == 1 and s["slower_by"] > 1.0 for s in watch["stragglers"])
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long

@@ -87,3 +87,43 @@ def test_rendezvous_check(tmp_path):
     assert refused.ok and "not up yet" in refused.detail  # the first agent will host it
     lost = preflight.rendezvous_reachable("rdzv.invalid:29400", timeout=0.5)  # RFC 2606: never resolves
     assert not lost.ok and "unreachable" in lost.detail
+
+
+def _node_plan(tmp_path):
+    return {**_plan(tmp_path, free_port()), "tenant": "t", "dag_id": "d", "run_id": "r"}
+
+
+def test_node_try_charges_a_silently_dead_predecessor_to_its_host(tmp_path, registry, monkeypatch):
+    from trainflow.cluster.nodes import NodeTry
+
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    plan = _node_plan(tmp_path)
+    policy = CordonPolicy(failures=2, window_s=60)
+    NodeTry(plan, 1, 1, host="a", registry=registry, policy=policy).begin()  # then SIGKILLed
+    second = NodeTry(plan, 1, 2, host="b", registry=registry, policy=policy)
+    second.begin()
+    assert [h["host"] for h in registry.hosts(policy=policy)] == ["a"]
+    second.end("exit 1", failure="agent exited with code 1")  # b: one failure, not cordoned
+    assert registry.cordoned("b") is None
+    third = NodeTry(plan, 1, 3, host="a", registry=registry, policy=policy)
+    third.begin()
+    third.end("replaced", failure="node 1 replaced")  # a's second failure: cordoned
+    assert registry.cordoned("a") is not None
+
+
+def test_node_try_takes_only_requests_made_during_it(tmp_path, registry, monkeypatch):
+    import time
+
+    from trainflow.cluster.nodes import NodeTry
+    from trainflow.workspace import write_json_atomic
+
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    attempt = NodeTry(_node_plan(tmp_path), 0, 2, host="h", registry=registry, policy=POLICY)
+    attempt.begin()
+    assert attempt.replacement_requested() is None
+    attempt.request.parent.mkdir(parents=True)
+    write_json_atomic(attempt.request, {"time": attempt.started - 10, "reason": "old"})
+    assert attempt.replacement_requested() is None  # made for the previous try
+    write_json_atomic(attempt.request, {"time": time.time(), "reason": "straggler: rank 0", "cordon": True})
+    assert "straggler: rank 0" in attempt.replacement_requested()
+    assert registry.cordoned("h").reason == "straggler: rank 0"

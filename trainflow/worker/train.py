@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+from trainflow import timeline
 from trainflow.checkpoint import manifest
 from trainflow.errors import ChipUnavailableError, CrashLoopError, UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
@@ -161,8 +162,6 @@ def run(run_dir: Path) -> int:
     dist.broadcast_object_list(choice, src=0)
     start = choice[0]["step"] if choice[0] else 0
     if rank == 0:
-        from trainflow import timeline
-
         earlier = [e for e in timeline.read(run_dir) if e["event"] == "gang_start" and e["step"] == start]
         record(run_dir, "gang_start", step=start)
         if len(earlier) >= spec.crash_loop_limit:
@@ -195,6 +194,7 @@ def run(run_dir: Path) -> int:
                                              on_error=on_error)
     n, window_t, window_s = len(workload.train), time.time(), start
     loss_value, samples_per_s, last_ckpt, compute_ewma = float("nan"), 0.0, start, None
+    curve_t = 0.0
     for step in range(start, spec.steps):
         torch.manual_seed(step_seed(spec.seed, rank, step))
         for group in optimizer.param_groups:
@@ -220,6 +220,9 @@ def run(run_dir: Path) -> int:
             window_t, window_s = time.time(), done
         beat.beat(step=done, total=spec.steps, state=RankState.TRAINING, loss=loss_value,
                   samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma)
+        if rank == 0 and (time.time() - curve_t >= spec.heartbeat_interval or done == spec.steps):
+            curve_t = time.time()  # the loss curve of the report's plot, redone steps included
+            timeline.append(run_dir / "curve.jsonl", {"time": curve_t, "step": done, "loss": loss_value})
         if done % spec.checkpoint_interval == 0 or done == spec.steps:
             beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
                       checkpoint_step=last_ckpt, force=True)

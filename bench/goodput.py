@@ -1,0 +1,155 @@
+"""bench/goodput: a ~10-minute run with a fault every 60 s, trainflow vs plain retries.
+
+Both sides train the same spec (digits, 2 nodes × 1 rank, gloo) on this machine, and
+every ``--every`` seconds of wall time a rank is SIGKILLed (ranks 1, 0, 1, ... — rank 0's
+node hosts the rendezvous store; a fault that falls due while the gang is still
+restarting waits until every rank trains again):
+
+- trainflow: the node agents restart the gang, which resumes from the newest verified
+  checkpoint. Goodput is measured twice: from the run's fault timeline
+  (``trainflow.goodput.summarize``: 1 − (recovery + redone steps) / wall) and against
+  the clock: (steps / clean step rate) / wall, the clean rate measured by a fault-free
+  calibration run first.
+- baseline, plain Airflow retries without resume: each fault fails the attempt and the
+  retry starts over from step 0 in a fresh workspace (retry delay 0, generous to it).
+  It is given ``--baseline-attempts`` attempts; a run that never finishes keeps no work,
+  so its goodput is 0 however long it runs.
+
+    .venv/bin/python bench/goodput.py [--minutes 10] [--every 60]
+
+Writes bench/results/goodput.json. Goal: trainflow goodput ≥ 95%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainflow.cli import chaos  # noqa: E402
+from trainflow.goodput import summarize  # noqa: E402
+from trainflow.heartbeat import read_all  # noqa: E402
+from trainflow.launch.local import kill_tree, prepare, start_agents  # noqa: E402
+from trainflow.spec import TrainingSpec  # noqa: E402
+from trainflow.timeline import read as read_timeline  # noqa: E402
+
+BASE = dict(workload="digits", nodes=2, nproc_per_node=1, batch_size=16, checkpoint_interval=50, seed=3,
+            crash_loop_limit=100, heartbeat_interval=0.5)
+
+
+def clean_rate(work: Path, seconds: float = 60.0) -> float:
+    """Steps per second of a fault-free gang, measured after its first 10 s."""
+    spec = TrainingSpec.from_mapping({**BASE, "steps": 10_000_000})
+    run_dir = work / "calibration"
+    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
+    try:
+        def step() -> int:
+            beats = read_all(run_dir / "heartbeats")
+            return min((b["step"] for b in beats.values()), default=0) if len(beats) == 2 else 0
+
+        deadline = time.time() + 120
+        while step() < 100 and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(10)
+        s0, t0 = step(), time.time()
+        time.sleep(seconds)
+        return (step() - s0) / (time.time() - t0)
+    finally:
+        for p in procs:
+            kill_tree(p)
+            p.wait()
+
+
+def _training(run_dir: Path, world: int) -> bool:
+    """Every rank is training (a fault due while the gang restarts waits for it)."""
+    beats = read_all(run_dir / "heartbeats")
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    return len(beats) == world and all(b["state"] == "training" and time.time() - b["time"] < 2
+                                       and alive(int(b["pid"])) for b in beats.values())
+
+
+def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int]:
+    """Run ``spec`` killing a rank every ``every`` s; return exit codes, wall and faults."""
+    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
+    t0, faults = time.time(), 0
+    try:
+        while any(p.poll() is None for p in procs) and time.time() - t0 < limit:
+            if time.time() - t0 >= every * (faults + 1) and _training(run_dir, spec.world_size):
+                chaos(run_dir, "kill_rank", 1 if faults % 2 == 0 else 0)
+                faults += 1
+            time.sleep(0.1)
+        return [p.poll() for p in procs], time.time() - t0, faults
+    finally:
+        for p in procs:
+            kill_tree(p)
+            p.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--every", type=float, default=60.0)
+    parser.add_argument("--baseline-attempts", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tf-goodput-"))
+    rate = clean_rate(work)
+    steps = int(rate * args.minutes * 60)
+    spec = TrainingSpec.from_mapping({**BASE, "steps": steps})
+    clean_wall = steps / rate
+    print(f"clean rate {rate:.1f} steps/s → {steps} steps ≈ {clean_wall:.0f}s", flush=True)
+
+    run_dir = work / "trainflow"
+    codes, wall, faults = _faulty(spec, run_dir, args.every, limit=4 * clean_wall)
+    events = read_timeline(run_dir)
+    first = next(e["time"] for e in events if e["event"] == "gang_start")
+    summary = summarize(run_dir, started=first, ended=first + wall, steps=steps)
+    trainflow = {"exit_codes": codes, "wall_s": wall, "faults": faults, "completed": codes == [0, 0],
+                 "goodput_timeline": summary["goodput"], "goodput_clock": clean_wall / wall,
+                 "recovery_s": summary["recovery_s"], "steps_lost": summary["steps_lost"],
+                 "per_fault": [{k: f.get(k) for k in ("kind", "step", "recovery_s", "steps_lost")}
+                               for f in summary["faults"]]}
+    print(json.dumps({k: v for k, v in trainflow.items() if k != "per_fault"}), flush=True)
+
+    attempts = []
+    for i in range(args.baseline_attempts):  # no resume: every retry starts from step 0
+        a_dir = work / f"baseline-{i}"
+        a_codes, a_wall, a_faults = _faulty(spec, a_dir, args.every, limit=args.every + 30)
+        reached = max((e["step"] for e in read_timeline(a_dir) if e["event"] == "checkpoint_stall"), default=0)
+        attempts.append({"exit_codes": a_codes, "wall_s": a_wall, "reached_step": reached,
+                         "completed": a_codes == [0, 0] and a_faults == 0})
+        print(f"baseline attempt {i}: reached step {reached} of {steps} before its fault", flush=True)
+        if attempts[-1]["completed"]:
+            break
+    done = any(a["completed"] for a in attempts)
+    baseline = {"attempts": attempts, "completed": done,
+                "goodput": clean_wall / sum(a["wall_s"] for a in attempts) if done else 0.0,
+                "why": None if done else f"each attempt starts over and is killed after {args.every:g}s; "
+                                         f"the run needs {clean_wall:.0f}s uninterrupted"}
+    result = {"bench": "goodput", "spec": {**BASE, "steps": steps}, "every_s": args.every,
+              "clean_steps_per_s": rate, "clean_wall_s": clean_wall, "trainflow": trainflow,
+              "plain_retries": baseline, "machine": {"cpus": os.cpu_count()}, "time": time.time()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({"trainflow_goodput_timeline": trainflow["goodput_timeline"],
+                      "trainflow_goodput_clock": trainflow["goodput_clock"],
+                      "plain_retries_goodput": baseline["goodput"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""One try of one node task on its host: preflight, failure records, replacement requests.
+
+The shard_train operator drives it; everything here is Airflow-free. A marker file per
+node (``nodes/task-<n>.json``) says which host runs the current try and whether it ended;
+a try that finds its predecessor's marker unended knows that try died without a word
+(SIGKILL, a lost host) and charges the failure to that host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from trainflow import preflight
+from trainflow.cluster.hosts import CordonPolicy, HostRegistry, host_name
+from trainflow.errors import PreflightError
+from trainflow.timeline import record
+from trainflow.workspace import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+class NodeTry:
+    """Try ``try_number`` of node ``node`` of the run planned in ``plan``."""
+
+    def __init__(self, plan: dict, node: int, try_number: int, *, host: str | None = None,
+                 registry: HostRegistry | None = None, policy: CordonPolicy | None = None) -> None:
+        self.plan, self.node, self.try_number = plan, node, try_number
+        self.run_dir = Path(plan["run_dir"])
+        self.host = host or host_name()
+        self.hosts = registry or HostRegistry()
+        self.policy = policy or CordonPolicy.from_env()
+        self.run_key = f"{plan['tenant']}/{plan['dag_id']}/{plan['run_id']}"
+        self.marker = self.run_dir / "nodes" / f"task-{node:04d}.json"
+        self.request = self.run_dir / "control" / f"restart-node-{node:04d}.json"
+        self.started = time.time()
+
+    def begin(self) -> list[preflight.Check]:
+        """Charge a silently dead predecessor to its host, then run the preflight.
+
+        Raises:
+            PreflightError: the node must not join (recorded against this host).
+        """
+        if self.marker.exists() and "ended" not in (last := json.loads(self.marker.read_text())):
+            self.hosts.record_failure(last["host"], reason=f"node {self.node} task of try {last['try']} died",
+                                      run_key=self.run_key, node=self.node, policy=self.policy)
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "pid": os.getpid()})
+        self.started = time.time()
+        try:
+            return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts,
+                                 policy=self.policy)
+        except PreflightError as exc:
+            record(self.run_dir, "preflight_failed", node=self.node, host=self.host, message=str(exc))
+            self.end("preflight_failed", failure=str(exc))
+            raise
+
+    def end(self, outcome: str, *, failure: str | None = None) -> None:
+        """Mark the try ended; a ``failure`` is charged to this host (which may cordon it)."""
+        write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "ended": outcome[:200]})
+        if failure is None:
+            return
+        before = self.hosts.cordoned(self.host)
+        cordon = self.hosts.record_failure(self.host, reason=failure, run_key=self.run_key,
+                                           node=self.node, policy=self.policy)
+        if cordon is not None and before is None:
+            log.warning("host %s is cordoned: %s", self.host, cordon.reason)
+            record(self.run_dir, "host_cordoned", host=self.host, node=self.node, reason=cordon.reason)
+
+    def replacement_requested(self) -> str | None:
+        """The heartbeat watch's request to replace this node, if one was made during this
+        try (older ones are set aside); cordons this host when the request says so."""
+        if not self.request.exists():
+            return None
+        handled = self.request.with_name(f"{self.request.name}.handled-try{self.try_number}")
+        os.replace(self.request, handled)
+        req = json.loads(handled.read_text())
+        if req["time"] < self.started:
+            log.info("ignoring a replacement request older than this try")
+            return None
+        if req.get("cordon"):
+            self.hosts.cordon(self.host, reason=req["reason"])
+            record(self.run_dir, "host_cordoned", host=self.host, node=self.node, reason=req["reason"])
+        return f"restart requested by the heartbeat watch: {req['reason']}"
