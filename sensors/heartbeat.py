@@ -145,7 +145,10 @@ class HeartbeatTrigger(BaseTrigger):
             if action == Action.REPLACE_NODES:
                 nodes = await asyncio.to_thread(request_node_restart, run_dir, result, now)
                 self.log.warning("hang detected: %s → replacing nodes %s", result.message, nodes)
-                self.started_at = now  # a fresh startup window for the replaced gang
+                # A fresh startup window for the re-formed gang, opening once the replaced
+                # nodes are gone: until then peers of a node that only looked stalled
+                # (withheld heartbeats) still train, and their progress must not count.
+                self.started_at = now + self.timeout
             await asyncio.sleep(self.poll_interval)
 
 
