@@ -59,9 +59,19 @@ class Classification:
 
 
 class HeartbeatWriter:
-    """Writes one rank's heartbeat, at most once per ``interval`` unless the state changes."""
+    """Writes one rank's heartbeat, at most once per ``interval`` unless the state changes.
+
+    Two signals travel in each heartbeat: *progress* (``step``, ``progress_time``: when the
+    step last advanced), written by the training loop, and *liveness* (``alive``, with the
+    loop's current ``phase``), refreshed by a pulse thread (``start_pulse``) even while the
+    loop is blocked. In a hang every rank stops progressing, but only the culprit also stops
+    pulsing (SIGSTOP, a dead process) or sits outside the collective its peers wait in; that
+    is how ``culprits`` tells it from its victims.
+    """
 
     def __init__(self, directory: Path, *, rank: int, node: int, interval: float) -> None:
+        import threading
+
         self.path = Path(directory) / f"rank-{rank:05d}.json"
         self.rank, self.node, self.interval = rank, node, interval
         self._last_write = 0.0
@@ -69,10 +79,23 @@ class HeartbeatWriter:
         self._progress_at = time.time()
         self._step = -1
         self._muted_until = 0.0
+        self._record: dict | None = None
+        self._phase, self._phase_since = "starting", time.time()
+        self._lock = threading.Lock()
 
     def mute(self, *, until: float) -> None:
         """Withhold heartbeats until ``until`` (the delay_heartbeats fault); DONE still goes out."""
         self._muted_until = until
+
+    def set_phase(self, phase: str) -> None:
+        """Where the training loop is (``forward``, ``backward`` — the collectives —, ...)."""
+        if phase != self._phase:
+            self._phase, self._phase_since = phase, time.time()
+
+    def _write(self, record: dict, now: float) -> None:
+        with self._lock:
+            write_json_atomic(self.path, {**record, "alive": now, "phase": self._phase,
+                                          "phase_since": self._phase_since})
 
     def beat(self, *, step: int, total: int, state: RankState, force: bool = False, **extra) -> None:
         now = time.time()
@@ -82,12 +105,26 @@ class HeartbeatWriter:
             return
         if not force and state == self._last_state and now - self._last_write < self.interval:
             return
-        write_json_atomic(self.path, {
+        self._record = {
             "rank": self.rank, "node": self.node, "pid": os.getpid(), "step": step,
             "total": total, "state": state.value, "time": now, "progress_time": self._progress_at,
             **extra,
-        })
+        }
+        self._write(self._record, now)
         self._last_write, self._last_state = now, state
+
+    def start_pulse(self) -> None:
+        """Refresh ``alive`` every ``interval`` from a daemon thread, whatever the loop does."""
+        import threading
+
+        def loop() -> None:
+            while True:
+                time.sleep(self.interval)
+                now = time.time()
+                if self._record is not None and now >= self._muted_until:
+                    self._write(self._record, now)
+
+        threading.Thread(target=loop, name="heartbeat-pulse", daemon=True).start()
 
 
 def read_all(directory: Path) -> dict[int, dict]:
@@ -143,10 +180,36 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
             stalled.append((r, now - since))
     if stalled:
         desc = ", ".join(f"rank {r} without progress for {age:.1f}s at step {steps[r]}" for r, age in stalled)
-        return Classification(Verdict.STALLED, f"{desc} (timeout {policy.timeout}s)",
-                              tuple(r for r, _ in stalled), steps)
+        ranks, why = culprits(beats, [r for r, _ in stalled], now=now, timeout=policy.timeout)
+        return Classification(Verdict.STALLED,
+                              f"{desc} (timeout {policy.timeout}s); culprits {list(ranks)}: {why}",
+                              tuple(ranks), steps)
     return Classification(Verdict.HEALTHY, f"{world_size} ranks progressing, "
                           f"steps {min(steps.values())}..{max(steps.values())}", (), steps)
+
+
+def culprits(beats: dict[int, dict], stalled: list[int], *, now: float,
+             timeout: float) -> tuple[list[int], str]:
+    """Which of the ``stalled`` ranks hold the gang up. Pure.
+
+    In a synchronous gang one stuck rank stalls every rank; replacing only the culprit's
+    node keeps the others' nodes (and their hosts' records) out of it. In order:
+
+    1. ranks whose liveness pulse stopped too (a stopped or dead process), if not all
+       (if all stopped: every rank);
+    2. ranks outside ``backward`` (where DDP/FSDP collectives run) while others wait in it;
+    3. otherwise every stalled rank (it cannot be told).
+    """
+    silent = [r for r in stalled if "alive" in beats[r] and now - float(beats[r]["alive"]) > timeout]
+    if silent and len(silent) < len(stalled):
+        return silent, "their processes stopped (no liveness pulse) while their peers wait"
+    if silent:
+        return list(stalled), "every stalled rank stopped pulsing"
+    waiting = [r for r in stalled if beats[r].get("phase") == "backward"]
+    stuck = [r for r in stalled if r not in waiting and beats[r].get("phase") not in (None, "starting")]
+    if waiting and stuck:
+        return stuck, "stuck outside the collective their peers wait in"
+    return list(stalled), "cannot tell the culprit apart: every stalled rank"
 
 
 def find_stragglers(beats: dict[int, dict], *, margin: float) -> list[dict]:

@@ -37,7 +37,14 @@ def test_process_fault_heals_inside_the_node_without_airflow_retry(client, clean
 def test_hang_is_detected_and_the_node_replaced(client, clean):
     run, tis = _run(client, "chaos-sigstop", [{"kind": "stop_rank", "rank": 1, "step": 120}])
     assert run["state"] == "success", tis
-    assert tis[("shard_train", 1)]["try_number"] >= 2  # replaced through Airflow's retry
+    # Only the culprit's node is replaced (through Airflow's retry); the other node's agent
+    # restarts its workers and waits for the new peer. Elastic assigns ranks to nodes in
+    # rendezvous order, so rank 1 may live on either node.
+    (stall,) = _timeline(client, "chaos-sigstop", "stall_detected")
+    assert stall["ranks"] == [1] and "their processes stopped" in stall["message"]
+    (culprit,) = stall["nodes"]
+    assert tis[("shard_train", culprit)]["try_number"] >= 2
+    assert tis[("shard_train", 1 - culprit)]["try_number"] == 1
     assert client.xcom(DAG, "chaos-sigstop", "evaluate", "metrics")["weights_sha256"] == clean
 
 
@@ -63,7 +70,7 @@ def test_killed_node_task_is_replaced_by_airflow_retry(client, clean, node):
     run_id = f"chaos-kill-node-{node}"
     run, tis = _run(client, run_id, [{"kind": "kill_node", "rank": node, "step": 120}])
     assert run["state"] == "success", tis
-    assert tis[("shard_train", node)]["try_number"] >= 2
+    assert max(tis[("shard_train", n)]["try_number"] for n in (0, 1)) >= 2
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
 
 
@@ -119,9 +126,10 @@ def test_heartbeats_withheld_past_the_timeout_replace_the_node(client, clean_lon
     run = client.wait_run(DAG, run_id, timeout=900)
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
     assert run["state"] == "success", tis
-    assert tis[("shard_train", 1)]["try_number"] >= 2
     (stall,) = _timeline(client, run_id, "stall_detected")
     assert stall["ranks"] == [1]
+    (node,) = stall["nodes"]  # rank 1's node: only it is replaced
+    assert tis[("shard_train", node)]["try_number"] >= 2 and tis[("shard_train", 1 - node)]["try_number"] == 1
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
 
 
@@ -143,10 +151,11 @@ def test_straggler_is_reported_and_excluded_after_the_next_checkpoint(client, cl
     run = client.wait_run(DAG, run_id, timeout=900)
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
     assert run["state"] == "success", tis
-    assert tis[("shard_train", 1)]["try_number"] == 2 and tis[("shard_train", 0)]["try_number"] == 1
     (excluded,) = _timeline(client, run_id, "straggler_excluded")
     (resumed,) = _timeline(client, run_id, "resumed")
-    assert excluded["node"] == 1 and resumed["step"] == excluded["checkpoint_step"] > 100
+    node = excluded["node"]  # rank 1's node
+    assert excluded["rank"] == 1 and resumed["step"] == excluded["checkpoint_step"] > 100
+    assert tis[("shard_train", node)]["try_number"] == 2 and tis[("shard_train", 1 - node)]["try_number"] == 1
     assert _timeline(client, run_id, "host_cordoned")  # lifted by the replacement's preflight
     watch = client.xcom(DAG, run_id, "heartbeat_watch", "return_value")
     assert any(s["rank"] == 1 and s["slower_by"] > 1.0 for s in watch["stragglers"])

@@ -78,3 +78,44 @@ def test_decide():
     assert decide(Verdict.STARTUP_TIMEOUT, replacements=0, budget=1) == Action.REPLACE_NODES
     assert decide(Verdict.STALLED, replacements=2, budget=2) == Action.FAIL
     assert decide(Verdict.HEALTHY, replacements=0, budget=2, aborted=True) == Action.FAIL
+
+
+def _hung(rank, phase, alive):
+    return {**beat(rank, 40, progress=100), "phase": phase, "alive": alive}
+
+
+def test_a_stopped_rank_is_the_culprit_not_its_waiting_peers():
+    # Rank 1 was SIGSTOPped in its forward pass: its pulse stopped; ranks 0 and 2 wait in
+    # the gradient all-reduce and keep pulsing.
+    beats = {0: _hung(0, "backward", 119), 1: _hung(1, "forward", 100), 2: _hung(2, "backward", 119)}
+    c = classify(beats, now=120, world_size=3, started_at=0, policy=POLICY)
+    assert c.verdict == Verdict.STALLED and c.ranks == (1,)
+    assert "culprits [1]: their processes stopped" in c.message
+
+
+def test_a_rank_stuck_in_its_own_code_is_the_culprit():
+    # Every process pulses, but rank 0 never left its forward pass (a deadlock in user code).
+    beats = {0: _hung(0, "forward", 119), 1: _hung(1, "backward", 119)}
+    c = classify(beats, now=120, world_size=2, started_at=0, policy=POLICY)
+    assert c.ranks == (0,) and "stuck outside the collective" in c.message
+
+
+def test_when_the_culprit_cannot_be_told_every_stalled_rank_is_replaced():
+    all_wait = {0: _hung(0, "backward", 119), 1: _hung(1, "backward", 119)}
+    assert classify(all_wait, now=120, world_size=2, started_at=0, policy=POLICY).ranks == (0, 1)
+    all_dead = {0: _hung(0, "forward", 100), 1: _hung(1, "backward", 100)}
+    assert classify(all_dead, now=120, world_size=2, started_at=0, policy=POLICY).ranks == (0, 1)
+
+
+def test_pulse_keeps_liveness_fresh_while_progress_stands_still(tmp_path):
+    import json
+    import time
+
+    w = HeartbeatWriter(tmp_path, rank=0, node=0, interval=0.05)
+    w.beat(step=7, total=9, state=RankState.TRAINING, force=True)
+    w.set_phase("backward")
+    w.start_pulse()
+    time.sleep(0.3)
+    b = json.loads((tmp_path / "rank-00000.json").read_text())
+    assert b["step"] == 7 and b["phase"] == "backward"
+    assert b["alive"] - b["progress_time"] > 0.15  # pulsing, not progressing

@@ -144,6 +144,7 @@ def run(run_dir: Path) -> int:
     beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node,
                            interval=spec.heartbeat_interval)
     beat.beat(step=0, total=spec.steps, state=RankState.STARTING, force=True)
+    beat.start_pulse()
     dist.init_process_group(backend=family.composite_backend)
     say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
 
@@ -202,6 +203,7 @@ def run(run_dir: Path) -> int:
         idx = shard_indices(n=n, seed=spec.seed, step=step, batch_size=spec.batch_size,
                             world_size=world, rank=rank)
         model.train()
+        beat.set_phase("forward")
         user_code(rank, injector.before_step, step + 1)
         t_compute = time.perf_counter()
         loss = user_code(rank, workload.loss, model, _collate(workload.train, idx, device))
@@ -209,6 +211,7 @@ def run(run_dir: Path) -> int:
         compute_ms = 1000 * (time.perf_counter() - t_compute)
         compute_ewma = compute_ms if compute_ewma is None else 0.9 * compute_ewma + 0.1 * compute_ms
         optimizer.zero_grad(set_to_none=True)
+        beat.set_phase("backward")  # gradient collectives: where a stuck peer's victims wait
         loss.backward()
         optimizer.step()
         done = step + 1
