@@ -54,14 +54,29 @@ class AirflowClient:
             raise RestError(exc.code, method, path, detail) from None
         return json.loads(raw) if raw else None
 
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        try:
-            return self._call(method, path, body)
-        except RestError as exc:
-            if exc.status != 401:
-                raise
-            self._token = None  # expired: log in again once
-            return self._call(method, path, body)
+    # Transient answers of a busy embedded stack (SQLite locked → 500/503, a slow answer →
+    # socket timeout): requests that are safe to repeat are tried this many times in all.
+    ATTEMPTS = 4
+
+    def call(self, method: str, path: str, body: Any = None, *, retry: bool | None = None) -> Any:
+        """One REST call; 401 logs in again once; transient failures of idempotent calls
+        (GET, PATCH, PUT, DELETE, or ``retry=True``) are retried with backoff."""
+        retry = method in ("GET", "PATCH", "PUT", "DELETE") if retry is None else retry
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                try:
+                    return self._call(method, path, body)
+                except RestError as exc:
+                    if exc.status != 401:
+                        raise
+                    self._token = None  # expired: log in again once
+                    return self._call(method, path, body)
+            except (RestError, TimeoutError, urllib.error.URLError) as exc:
+                transient = not isinstance(exc, RestError) or exc.status in (500, 502, 503, 504)
+                if not (retry and transient) or attempt == self.ATTEMPTS:
+                    raise
+                time.sleep(2 ** (attempt - 1))
+        raise AssertionError("unreachable")
 
     # -- the calls trainflow uses ------------------------------------------------------
     def health(self) -> dict:
@@ -85,9 +100,18 @@ class AirflowClient:
 
     def trigger(self, dag_id: str, conf: dict, run_id: str | None = None) -> dict:
         body: dict[str, Any] = {"logical_date": None, "conf": conf}
-        if run_id:
-            body["dag_run_id"] = run_id
-        return self.call("POST", f"/api/v2/dags/{_q(dag_id)}/dagRuns", body)
+        if not run_id:
+            return self.call("POST", f"/api/v2/dags/{_q(dag_id)}/dagRuns", body)
+        body["dag_run_id"] = run_id
+        try:  # with a run id a repeat is safe: a 409 means an earlier attempt created it
+            return self.call("POST", f"/api/v2/dags/{_q(dag_id)}/dagRuns", body, retry=True)
+        except RestError as exc:
+            if exc.status != 409:
+                raise
+            run = self.run(dag_id, run_id)
+            if run.get("conf") != conf:
+                raise
+            return run
 
     def run(self, dag_id: str, run_id: str) -> dict:
         return self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}")
