@@ -18,6 +18,18 @@ def rendezvous_id(tenant: str, dag_id: str, run_id: str, attempt: int = 0) -> st
     return f"tf-{digest}-{attempt}"
 
 
+def rendezvous_poll_interval(nodes: int) -> float:
+    """Seconds between an agent's reads of the shared rendezvous state (pure).
+
+    Short polls make a restarted gang re-form quickly (torch elastic's own 1 s costs about
+    2 s per worker restart, see ``launch.agent.fast_rendezvous_polling``), but every agent
+    reads once per poll while it waits or monitors its workers, so the store serves
+    ``nodes / poll`` reads a second: 0.1 s up to 10 nodes, then as long as keeps that at
+    100 reads a second, and never longer than torch's own 1 s.
+    """
+    return min(1.0, max(0.1, nodes / 100))
+
+
 def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
                rdzv_host: str, rdzv_port: int, env: dict[str, str] | None = None,
                max_restarts: int | None = None) -> dict[str, Any]:
@@ -52,6 +64,7 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
             "endpoint": f"{rdzv_host}:{rdzv_port}",
             "id": rendezvous_id(spec.tenant, dag_id, run_id),
             "timeout": int(spec.startup_timeout),
+            "poll_interval": rendezvous_poll_interval(spec.nodes),
         },
         "nodes": [
             {"node": i, "queue": queue, "ranks": list(range(i * k, (i + 1) * k))}

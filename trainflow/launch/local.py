@@ -43,14 +43,16 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
     return run_dir / "plan.json"
 
 
+def start_agent(plan_path: Path, node: int, *, log_dir: Path | None = None) -> subprocess.Popen:
+    """Start node ``node``'s agent (also how a test replaces a lost node, as a task retry would)."""
+    out = open(log_dir / f"agent-{node}.log", "ab") if log_dir else None
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainflow.launch.agent", "--plan", str(plan_path), "--node", str(node)],
+        stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+
+
 def start_agents(plan_path: Path, nodes: int, *, log_dir: Path | None = None) -> list[subprocess.Popen]:
-    procs = []
-    for node in range(nodes):
-        out = open(log_dir / f"agent-{node}.log", "ab") if log_dir else None
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "trainflow.launch.agent", "--plan", str(plan_path), "--node", str(node)],
-            stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True))
-    return procs
+    return [start_agent(plan_path, node, log_dir=log_dir) for node in range(nodes)]
 
 
 def kill_tree(proc: subprocess.Popen | int, sig: int = signal.SIGKILL) -> None:
