@@ -68,7 +68,7 @@ def _start(kind: str, spec: TrainingSpec, run_dir: Path) -> tuple[list[subproces
     log = run_dir / "logs" / "torchrun.log"
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "torchrun"), "--standalone",
-         f"--nproc-per-node={spec.world_size}", "--max-restarts=3", "--monitor-interval=0.2",
+         f"--nproc-per-node={spec.world_size}", "--max-restarts=3",  # torchrun's 0.1 s monitor
          "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
         env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     return [proc], [log]
