@@ -45,19 +45,29 @@ def embedded_capacity() -> int:
     return int(os.environ.get("TRAINFLOW_EMBEDDED_NODES", "4"))
 
 
-class Allocator:
-    """Gang allocator over one SQLite database; safe across processes."""
+class StateDB:
+    """A table set in trainflow's SQLite database (WAL, autocommit; explicit
+    ``BEGIN IMMEDIATE`` where a read-modify-write must be atomic); safe across processes.
+    Subclasses name their ``SCHEMA``."""
+
+    SCHEMA = ""
 
     def __init__(self, db: Path | None = None) -> None:
         self.db = Path(db or default_db())
         self.db.parent.mkdir(parents=True, exist_ok=True)
         with closing(self._connect()) as con:
-            con.executescript(_SCHEMA)
+            con.executescript(self.SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.db, timeout=30, isolation_level=None)
         con.execute("PRAGMA journal_mode=WAL")
         return con
+
+
+class Allocator(StateDB):
+    """Gang allocator over trainflow's SQLite database; safe across processes."""
+
+    SCHEMA = _SCHEMA
 
     def set_pool(self, name: str, nodes: int) -> None:
         with closing(self._connect()) as con:

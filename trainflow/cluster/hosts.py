@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sqlite3
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 
-from trainflow.cluster.allocator import default_db
+from trainflow.cluster.allocator import StateDB
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS host_failures (
@@ -61,19 +59,10 @@ class Cordon:
     reason: str
 
 
-class HostRegistry:
-    """Failure history and cordons over one SQLite database; safe across processes."""
+class HostRegistry(StateDB):
+    """Failure history and cordons in trainflow's database; safe across processes."""
 
-    def __init__(self, db: Path | None = None) -> None:
-        self.db = Path(db or default_db())
-        self.db.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as con:
-            con.executescript(_SCHEMA)
-
-    def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.db, timeout=30, isolation_level=None)
-        con.execute("PRAGMA journal_mode=WAL")
-        return con
+    SCHEMA = _SCHEMA
 
     def record_failure(self, host: str, *, reason: str, run_key: str, node: int,
                        policy: CordonPolicy, now: float | None = None) -> Cordon | None:
