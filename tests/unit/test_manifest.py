@@ -5,6 +5,7 @@ import json
 import pytest
 
 from trainflow.checkpoint import manifest
+from trainflow.errors import CheckpointError
 
 
 def _save(root, step, payload=b"weights", hash_="h1", world=2):
@@ -84,3 +85,43 @@ def test_prune_keeps_last_k_and_removes_partials(tmp_path):
     manifest.prune(tmp_path, 2)
     assert [s for s, _ in manifest.list_checkpoints(tmp_path)] == [4, 3]
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_commit_takes_the_writers_digests_and_hashes_the_rest(tmp_path):
+    part = manifest.partial_dir(tmp_path, 7)
+    part.mkdir()
+    (part / "__0_0.distcp").write_bytes(b"a" * 100)
+    (part / ".metadata").write_bytes(b"meta")
+    # The digest is used as given (commit does not read the file back) ...
+    ref = manifest.commit(tmp_path, 7, world_size=1, training_hash="h",
+                          digests={"__0_0.distcp": (100, "0" * 64)})
+    files = manifest.read_manifest(ref.path)["files"]
+    assert files["__0_0.distcp"] == {"size": 100, "sha256": "0" * 64}
+    assert files[".metadata"]["sha256"] == manifest.sha256_file(tmp_path / "step-00000007" / ".metadata")
+    # ... and a wrong one is caught by the verification every resume runs.
+    assert manifest.verify(ref.path) is None
+
+
+@pytest.mark.parametrize("digests, message", [
+    ({"__0_0.distcp": (99, "0" * 64)}, "its writer wrote 99"),
+    ({"__1_0.distcp": (1, "0" * 64)}, "missing from"),
+], ids=["size-differs", "file-missing"])
+def test_commit_refuses_files_that_differ_from_what_was_written(tmp_path, digests, message):
+    part = manifest.partial_dir(tmp_path, 7)
+    part.mkdir()
+    (part / "__0_0.distcp").write_bytes(b"a" * 100)
+    with pytest.raises(CheckpointError, match=message):
+        manifest.commit(tmp_path, 7, world_size=1, training_hash="h", digests=digests)
+    assert manifest.newest_verified(tmp_path) is None
+
+
+def test_verify_hashes_every_file(tmp_path):
+    part = manifest.partial_dir(tmp_path, 3)
+    part.mkdir()
+    for rank in range(4):
+        (part / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+    ref = manifest.commit(tmp_path, 3, world_size=4, training_hash="h")
+    assert manifest.verify(ref.path) == ref and ref.bytes == 4000
+    victim = tmp_path / "step-00000003" / "__3_0.distcp"
+    victim.write_bytes(b"\x00" * 1000)
+    assert manifest.verify(ref.path) is None

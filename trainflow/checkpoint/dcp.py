@@ -2,18 +2,43 @@
 
 The same code serves DDP and FSDP2: ``get_state_dict`` gives the model and optimizer
 state in DCP form whatever the wrapping, and DCP writes each rank's shards in parallel.
+
+DCP's planning, metadata and file layout are kept; the storage layer is ours
+(``_writer``/``_reader``), for costs measured with bench/checkpoint.py:
+
+- Each tensor is stored as its raw bytes instead of one ``torch.save`` zip record
+  (pickling, CRC-32, and on load an unpickle and a second copy): a load reads straight
+  into the target tensor. The items carry the transform descriptor ``trainflow-raw``,
+  so stock DCP refuses them instead of misreading them, while ``_reader`` still reads
+  checkpoints written by stock DCP.
+- Each rank hashes its file from the buffers it writes, in a second thread that runs
+  while the first waits in ``fsync``, and DCP's gather of write results brings every
+  digest to rank 0: the manifest commit no longer reads the checkpoint back (twice).
+- Replicated tensors are split between ranks before staging (``_share``): DCP would
+  write each once anyway, but only after every rank had copied all of them.
+- Loads skip DCP's plan exchange and sync saves delete old checkpoints in the
+  background (``load``, ``wait_for_prune``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
+import queue
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainflow.checkpoint import manifest
+from trainflow.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
+
+_RAW = "trainflow-raw"
 
 
 def _state(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -> dict:
@@ -23,54 +48,330 @@ def _state(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -> dict
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _share(state: dict, model: "torch.nn.Module", rank: int, world: int) -> dict:
+    """This rank's part of ``state`` (from ``_state(model, ...)``) for a save.
+
+    Plain tensors are replicated on every rank (DDP, and FSDP2's unsharded leftovers such
+    as Adam's ``step``); DCP keeps one copy of each. They are dealt out greedily by size,
+    identically on every rank, so each rank stages and writes only its part. Model
+    buffers (BatchNorm statistics) are the exception: each DDP rank updates its own in
+    the forward and DDP broadcasts rank 0's at the start of the next one, so rank 0's
+    copy is the one that keeps a resume bit-identical, and rank 0 saves them all.
+    Sharded tensors (DTensor) and non-tensor values stay on every rank.
+    """
+    import torch
+
+    params = {p.data_ptr() for p in model.parameters() if type(p) is torch.nn.Parameter}
+    plain = []
+
+    def walk(d: dict, path: tuple) -> None:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value, (*path, key))
+            elif type(value) is torch.Tensor:
+                plain.append(((*path, key), value))
+
+    walk(state, ())
+    load = [0] * world
+    owner = {}
+    for path, tensor in plain:
+        if path[0] == "model" and tensor.data_ptr() not in params:
+            owner[path] = 0
+            load[0] += tensor.nbytes
+    for path, tensor in sorted(plain, key=lambda item: (-item[1].nbytes, repr(item[0]))):
+        if path not in owner:
+            owner[path] = load.index(min(load))
+            load[owner[path]] += tensor.nbytes
+
+    def keep(d: dict, path: tuple) -> dict:
+        out = {}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out[key] = keep(value, (*path, key))
+            elif type(value) is not torch.Tensor or owner[(*path, key)] == rank:
+                out[key] = value
+        return out
+
+    return keep(state, ())
+
+
+def _as_bytes(tensor: "torch.Tensor") -> memoryview:
+    """The raw bytes of a tensor (moved to CPU and made contiguous if it is not already)."""
+    import torch
+
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
+    """Write ``buffers`` to ``path`` and fsync it; return the file's size and SHA-256.
+
+    A second thread hashes the same buffers while this one writes and then waits in
+    ``fsync``, so the digest costs no extra pass over the file and overlaps the flush.
+    """
+    h = hashlib.sha256()
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+
+    def digest() -> None:
+        while (buf := pending.get()) is not None:
+            h.update(buf)
+
+    hasher = threading.Thread(target=digest, name="trainflow-ckpt-sha256")
+    hasher.start()
+    size = 0
+    try:
+        with open(path, "wb", buffering=0) as fh:
+            for buf in buffers:
+                pending.put(buf)
+                done = 0
+                while done < len(buf):  # write() may be partial for very large buffers
+                    done += fh.write(buf[done:])
+                size += done
+            os.fsync(fh.fileno())
+    finally:
+        pending.put(None)
+        hasher.join()
+    return size, h.hexdigest()
+
+
+class _Written(list):
+    """One rank's ``WriteResult``s plus ``digests``, {file name: (size, sha256)} of the
+    files it wrote; DCP gathers these to rank 0 for ``finish`` unchanged."""
+
+    digests: dict
+
+
+def _writer(path: Path):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class _Writer(FileSystemWriter):
+        """One raw file per rank, hashed while written; rank 0 ends with every digest.
+
+        After ``dcp.save`` returns, ``digests`` on rank 0 maps each data file's name to
+        ``(size, sha256)`` (the ``.metadata`` file DCP adds last is not in it).
+        """
+
+        def __init__(self, path: Path) -> None:
+            super().__init__(path, single_file_per_rank=True, sync_files=True)
+            self.digests: dict[str, tuple[int, str]] = {}
+
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results, buffers, offset = _Written(), [], 0
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else _as_bytes(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(buf),
+                                           storage_data=_StorageInfo(name, offset, len(buf), [_RAW])))
+                buffers.append(buf)
+                offset += len(buf)
+            results.digests = {name: _write_file(Path(self.path) / name, buffers)}
+            fut: Future = Future()
+            fut.set_result(results)
+            return fut
+
+        def finish(self, metadata, results) -> None:
+            for rank_results in results:
+                self.digests.update(rank_results.digests)
+            super().finish(metadata, results)
+
+    return _Writer(path)
+
+
+def _reader(path: str):
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class _Reader(FileSystemReader):
+        """Reads raw items straight into their target tensors; other items go to DCP."""
+
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            self.tensors = metadata.state_dict_metadata
+
+        def read_data(self, plan, planner):
+            raw, other = {}, []
+            for req in plan.items:
+                info = self.storage_data[req.storage_index]
+                if info.transform_descriptors == [_RAW]:
+                    raw.setdefault(info.relative_path, []).append((info, req))
+                else:
+                    other.append(req)
+            for rel, reqs in raw.items():
+                with open(Path(self.path) / rel, "rb", buffering=0) as fh:
+                    for info, req in sorted(reqs, key=lambda r: r[0].offset):
+                        fh.seek(info.offset)
+                        self._read_item(fh, info, req, planner)
+            if other:
+                return super().read_data(dataclasses.replace(plan, items=other), planner)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+        def _read_item(self, fh, info, req, planner) -> None:
+            import io
+
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(_read_exactly(fh, bytearray(info.length))))
+                return
+            md = self.tensors[req.storage_index.fqn]
+            chunk = next(c for c in md.chunks if c.offsets == req.storage_index.offset)
+            target = planner.resolve_tensor(req).detach()
+            whole = list(req.lengths) == list(chunk.sizes)
+            if (whole and target.device.type == "cpu" and target.dtype == md.properties.dtype
+                    and target.is_contiguous()):
+                _read_exactly(fh, _as_bytes_view(target))
+            else:
+                stored = torch.empty(chunk.sizes, dtype=md.properties.dtype)
+                _read_exactly(fh, _as_bytes_view(stored))
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    stored = stored.narrow(dim, start, length)
+                target.copy_(stored)
+            planner.commit_tensor(req, target)
+
+    return _Reader(path)
+
+
+def _as_bytes_view(tensor: "torch.Tensor") -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    import torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_exactly(fh, buf) -> bytearray | memoryview:
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = fh.readinto(view[done:])
+        if not n:
+            raise EOFError(f"{fh.name}: checkpoint item ends early")
+        done += n
+    return buf
+
+
+_pruning: threading.Thread | None = None
+
+
+def wait_for_prune() -> None:
+    """Block until the deletion of old checkpoints started by the last sync ``save`` ends.
+
+    Deleting is mostly waiting on the filesystem (unlinking a 290 MB checkpoint takes
+    ~0.3 s on the ext4 disk here, about as long as writing it), so a sync save leaves it
+    to a thread and returns once its checkpoint is committed. The next save waits for it
+    before touching the directory, and the interpreter waits for it at exit.
+    """
+    if _pruning is not None:
+        _pruning.join()
+
+
+def _prepare(root: Path, step: int, group=None) -> Path:
+    """Collective: rank 0 empties ``step-<step>.partial``; every rank learns whether it could.
+
+    Raises:
+        CheckpointError: on every rank, if rank 0 could not create the directory (a full
+            disk), so that no rank is left waiting for it.
+    """
+    import torch.distributed as dist
+
+    partial = manifest.partial_dir(root, step)
+    status = [None]
+    if dist.get_rank() == 0:
+        wait_for_prune()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed attempt
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            status = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(status, src=0, group=group)
+    if status[0] is not None:
+        raise CheckpointError(f"cannot prepare {partial}: {status[0]}")
+    return partial
+
+
 def save(model, optimizer, *, root: Path, step: int, world_size: int, training_hash: str,
          keep_last: int, extra: dict | None = None) -> manifest.CheckpointRef | None:
     """Collective: every rank saves its shards; rank 0 commits and prunes.
 
-    Returns the committed ``CheckpointRef`` on rank 0, None elsewhere.
+    Returns the committed ``CheckpointRef`` on rank 0, None elsewhere. Checkpoints beyond
+    ``keep_last`` are deleted in the background (``wait_for_prune``).
     """
+    global _pruning
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank()
-    partial = manifest.partial_dir(root, step)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # leftover of a crashed attempt
-        partial.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(partial))
+    partial = _prepare(root, step)
+    writer = _writer(partial)
+    dcp.save(_share(_state(model, optimizer), model, rank, dist.get_world_size()), storage_writer=writer)
     ref = None
-    if rank == 0:
-        ref = manifest.commit(root, step, world_size=world_size, training_hash=training_hash,
-                              extra=extra)
-        manifest.prune(root, keep_last)
-    dist.barrier()
+    try:
+        if rank == 0:
+            ref = manifest.commit(root, step, world_size=world_size, training_hash=training_hash,
+                                  extra=extra, digests=writer.digests)
+            _pruning = threading.Thread(target=manifest.prune, args=(root, keep_last),
+                                        name="trainflow-ckpt-prune")
+            _pruning.start()
+    finally:
+        dist.barrier()  # also when rank 0's commit failed: the other ranks wait here
     return ref
 
 
-def load(model, optimizer, path: str) -> None:
-    """Collective: load the checkpoint at ``path`` into ``model`` and ``optimizer`` in place."""
+def _load_local(state: dict, path: str) -> None:
+    """Fill ``state`` in place from the checkpoint at ``path``, without collectives."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+
+
+def load(model, optimizer, path: str) -> None:
+    """Collective: load the checkpoint at ``path`` into ``model`` and ``optimizer`` in place.
+
+    Each rank plans and reads what it holds on its own: a DDP rank needs every tensor and
+    an FSDP2 rank its shards whatever the others do, so DCP's plan exchange (three
+    collectives of pickled plans) bought nothing. One all-reduce keeps its other effect:
+    every rank fails if one does.
+
+    Raises:
+        CheckpointError: on the ranks that read fine, when another rank could not.
+    """
+    import torch
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    failed = torch.zeros(1)
+    try:
+        _load_local(state, path)
+    except BaseException:  # noqa: BLE001 - re-raised once the other ranks know
+        failed += 1
+        dist.all_reduce(failed)
+        raise
+    dist.all_reduce(failed)
+    if failed.item():
+        raise CheckpointError(f"{int(failed.item())} rank(s) could not read checkpoint {path}")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def load_model_only(model, path: str) -> None:
     """Load only the model weights (no process group needed), e.g. for evaluation."""
-    import torch.distributed.checkpoint as dcp
-
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    _load_local(state, path)
     model.load_state_dict(state["model"])
 
 
 def weights_digest(model) -> str:
     """SHA-256 over every tensor of ``model``'s state dict in key order (bit-exact identity)."""
-    import hashlib
-
     h = hashlib.sha256()
     for key, tensor in sorted(model.state_dict().items()):
         h.update(key.encode())
@@ -81,18 +382,16 @@ def weights_digest(model) -> str:
 class AsyncCheckpointer:
     """Asynchronous sharded saves: training stalls only for the in-memory copy.
 
-    Each save stages the state into CPU buffers that DCP's stager caches per storage (no
-    allocation after the first save) and writes it from a background thread
-    over a gloo group of its own (sharing the training group crashed with a collective
-    mismatch, DESIGN.md §2). When the write completes, rank 0 commits the manifest and
-    prunes in that thread. One save is in flight at a time; a failed save (ENOSPC, I/O
-    error) leaves the previous checkpoint the newest verified one.
+    ``save`` copies this rank's share of the state into CPU buffers that the stager
+    caches per storage (no allocation after the first save) and hands the rest to one
+    background thread: preparing the directory, the DCP write over a gloo group of its
+    own (sharing the training group crashed with a collective mismatch, DESIGN.md §2),
+    and on rank 0 the manifest commit and pruning. One save is in flight at a time; a
+    failed save (ENOSPC, I/O error) leaves the previous checkpoint the newest verified one.
     """
 
     def __init__(self, *, root: Path, world_size: int, training_hash: str, keep_last: int,
                  on_commit=None, on_error=None) -> None:
-        import threading
-
         import torch
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -107,35 +406,36 @@ class AsyncCheckpointer:
             use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
             use_async_staging=False, use_non_blocking_copy=False))
         self.on_commit, self.on_error = on_commit, on_error
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainflow-ckpt")
         self._idle = threading.Event()
         self._idle.set()
 
     def save(self, model, optimizer, *, step: int) -> None:
         """Collective: start saving ``step``; returns once the state is staged."""
-        import torch.distributed as dist
+        self.wait()
+        self._idle.clear()
+        try:
+            staged = self.stager.stage(_share(_state(model, optimizer), model, self.rank, self.world_size))
+            self._executor.submit(self._write, staged, step)
+        except BaseException:
+            self._idle.set()
+            raise
+
+    def _write(self, staged: dict, step: int) -> None:
+        """Background: write ``staged`` as checkpoint ``step``; rank 0 commits and prunes."""
         import torch.distributed.checkpoint as dcp
 
-        self.wait()
-        partial = manifest.partial_dir(self.root, step)
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        self._idle.clear()
-        future = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial),
-                                process_group=self.group, async_stager=self.stager)
-        future.add_done_callback(lambda f: self._finish(f, step))
-
-    def _finish(self, future, step: int) -> None:
         try:
-            future.result()
+            writer = _writer(_prepare(self.root, step, self.group))
+            dcp.save(staged, storage_writer=writer, process_group=self.group)
             if self.rank == 0:
                 ref = manifest.commit(self.root, step, world_size=self.world_size,
-                                      training_hash=self.training_hash)
+                                      training_hash=self.training_hash, digests=writer.digests)
                 manifest.prune(self.root, self.keep_last)
                 if self.on_commit is not None:
                     self.on_commit(ref)
-        except Exception as exc:  # noqa: BLE001 - a failed save must not kill training
+        except BaseException as exc:  # noqa: BLE001 - a failed save must not kill training
+            # BaseException: DCP's CheckpointException is one (DESIGN.md §2).
             if self.on_error is not None:
                 self.on_error(step, exc)
         finally:
@@ -146,6 +446,7 @@ class AsyncCheckpointer:
         return self._idle.wait(timeout)
 
     def close(self) -> None:
-        """Wait for the last save (and its commit) and release the staging buffers."""
+        """Wait for the last save (and its commit) and release the thread and staging buffers."""
         self.wait()
+        self._executor.shutdown()
         self.stager.close()
