@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainflow.heartbeat import HeartbeatPolicy, Verdict, classify, read_all  # noqa: E402
-from trainflow.launch.local import kill_tree, prepare, start_agents  # noqa: E402
+from trainflow.launch.local import prepare, start_agents, stop_agents  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.workspace import write_json_atomic  # noqa: E402
 
@@ -107,9 +107,7 @@ def measure(kind: str, fault: str, spec: TrainingSpec, run_dir: Path, window: fl
             time.sleep(0.5 if fault == "hang" and kind == "trainflow" else 0.05)
         return None
     finally:
-        for p in procs:
-            kill_tree(p)
-            p.wait()
+        stop_agents(procs)
 
 
 def main() -> int:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from trainflow.cli import chaos  # noqa: E402
 from trainflow.goodput import summarize  # noqa: E402
 from trainflow.heartbeat import read_all  # noqa: E402
-from trainflow.launch.local import kill_tree, prepare, start_agents  # noqa: E402
+from trainflow.launch.local import gang  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.timeline import read as read_timeline  # noqa: E402
 
@@ -48,8 +48,7 @@ def clean_rate(work: Path, seconds: float = 60.0) -> float:
     """Steps per second of a fault-free gang, measured after its first 10 s."""
     spec = TrainingSpec.from_mapping({**BASE, "steps": 10_000_000})
     run_dir = work / "calibration"
-    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
-    try:
+    with gang(spec, run_dir):
         def step() -> int:
             beats = read_all(run_dir / "heartbeats")
             return min((b["step"] for b in beats.values()), default=0) if len(beats) == 2 else 0
@@ -61,10 +60,6 @@ def clean_rate(work: Path, seconds: float = 60.0) -> float:
         s0, t0 = step(), time.time()
         time.sleep(seconds)
         return (step() - s0) / (time.time() - t0)
-    finally:
-        for p in procs:
-            kill_tree(p)
-            p.wait()
 
 
 def _training(run_dir: Path, world: int) -> bool:
@@ -84,19 +79,14 @@ def _training(run_dir: Path, world: int) -> bool:
 
 def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int]:
     """Run ``spec`` killing a rank every ``every`` s; return exit codes, wall and faults."""
-    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
-    t0, faults = time.time(), 0
-    try:
+    with gang(spec, run_dir) as procs:
+        t0, faults = time.time(), 0
         while any(p.poll() is None for p in procs) and time.time() - t0 < limit:
             if time.time() - t0 >= every * (faults + 1) and _training(run_dir, spec.world_size):
                 chaos(run_dir, "kill_rank", 1 if faults % 2 == 0 else 0)
                 faults += 1
             time.sleep(0.1)
         return [p.poll() for p in procs], time.time() - t0, faults
-    finally:
-        for p in procs:
-            kill_tree(p)
-            p.wait()
 
 
 def main() -> int:

@@ -57,25 +57,23 @@ class HeartbeatTrigger(BaseTrigger):
             "straggler_margin": self.straggler_margin, "exclude_stragglers": self.exclude_stragglers,
         })
 
-    def check(self, now: float):
-        from pathlib import Path
+    def check(self, beats: dict[int, dict], now: float):
+        from trainflow.heartbeat import HeartbeatPolicy, classify
 
-        from trainflow.heartbeat import HeartbeatPolicy, classify, read_all
-
-        return classify(read_all(Path(self.run_dir) / "heartbeats"), now=now,
+        return classify(beats, now=now,
                         world_size=self.world_size, started_at=self.started_at,
                         policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout))
 
-    def watch_stragglers(self, run_dir, suspects: dict[int, int], reported: dict[int, dict]) -> None:
+    def watch_stragglers(self, run_dir, beats: dict[int, dict], suspects: dict[int, int],
+                         reported: dict[int, dict]) -> None:
         """Report a rank flagged as a straggler in 3 consecutive polls (once per rank);
         with ``exclude_stragglers``, replace its node once a newer checkpoint commits."""
         from trainflow.checkpoint.manifest import list_checkpoints
-        from trainflow.heartbeat import find_stragglers, read_all
+        from trainflow.heartbeat import find_stragglers
         from trainflow.remediation import exclude_straggler
         from trainflow.timeline import record
 
-        found = {s["rank"]: s for s in find_stragglers(read_all(run_dir / "heartbeats"),
-                                                        margin=self.straggler_margin)}
+        found = {s["rank"]: s for s in find_stragglers(beats, margin=self.straggler_margin)}
         for rank in list(suspects):
             if rank not in found:
                 del suspects[rank]
@@ -113,17 +111,18 @@ class HeartbeatTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from pathlib import Path
 
-        from trainflow.heartbeat import Action, decide
+        from trainflow.heartbeat import Action, decide, read_all
         from trainflow.remediation import aborted, remediations, request_node_restart
 
         run_dir, last = Path(self.run_dir), None
         suspects: dict[int, int] = {}  # rank → consecutive polls flagged
         reported: dict[int, dict] = {}  # rank → its straggler report
         while True:
-            await asyncio.to_thread(self.watch_stragglers, run_dir, suspects, reported)
+            beats = await asyncio.to_thread(read_all, run_dir / "heartbeats")  # once per poll
+            await asyncio.to_thread(self.watch_stragglers, run_dir, beats, suspects, reported)
             abort = await asyncio.to_thread(aborted, run_dir)
             now = time.time()
-            result = await asyncio.to_thread(self.check, now)
+            result = self.check(beats, now)
             done = await asyncio.to_thread(remediations, run_dir)
             action = decide(result.verdict, replacements=done, budget=self.max_remediations,
                             aborted=abort is not None)

@@ -87,7 +87,7 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
         PreflightError: naming the failed checks (the host is cordoned when its chip
             health check fails).
     """
-    from trainflow.checkpoint.manifest import newest_verified
+    from trainflow.checkpoint.manifest import committed_bytes, list_checkpoints
     from trainflow.chips.registry import get_family
 
     now = time.time() if now is None else now
@@ -108,9 +108,12 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
         registry.cordon(host, reason=f"chip health check failed: {health.detail}", now=now)
     checks.append(health)
     ckpt_root = Path(plan["run_dir"]) / "checkpoints"
-    newest = newest_verified(ckpt_root) if ckpt_root.is_dir() else None
+    # The newest checkpoint's size from its manifest: hashing it (verify) is the resume's
+    # job, not worth a full read of the checkpoint at every node start.
+    newest = next(iter(list_checkpoints(ckpt_root)), None)
     floor = float(os.environ.get("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", MIN_FREE_MB))
-    checks.append(free_disk(ckpt_root, newest_bytes=newest.bytes if newest else 0, min_free_mb=floor))
+    checks.append(free_disk(ckpt_root, newest_bytes=committed_bytes(newest[1]) if newest else 0,
+                            min_free_mb=floor))
     checks.append(rendezvous_reachable(plan["rendezvous"]["endpoint"]))
     failed = [c for c in checks if not c.ok]
     if failed:

@@ -127,3 +127,19 @@ def test_node_try_takes_only_requests_made_during_it(tmp_path, registry, monkeyp
     write_json_atomic(attempt.request, {"time": time.time(), "reason": "straggler: rank 0", "cordon": True})
     assert "straggler: rank 0" in attempt.replacement_requested()
     assert registry.cordoned("h").reason == "straggler: rank 0"
+
+
+def test_preflight_sizes_the_disk_check_from_the_newest_manifest(tmp_path, registry, monkeypatch):
+    from trainflow.checkpoint import manifest
+
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    monkeypatch.setenv("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", "0")
+    root = tmp_path / "run" / "checkpoints"
+    partial = manifest.partial_dir(root, 10)
+    partial.mkdir(parents=True)
+    (partial / "shard.distcp").write_bytes(b"x" * 3 * 2**20)
+    ref = manifest.commit(root, 10, world_size=2, training_hash="h")
+    assert manifest.committed_bytes(ref.path) == ref.bytes >= 3 * 2**20
+    checks = preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
+    disk = next(c for c in checks if c.name == "free_disk")
+    assert disk.ok and f"{2 * ref.bytes / 2**20:.0f} MiB needed" in disk.detail

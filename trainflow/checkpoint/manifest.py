@@ -145,6 +145,14 @@ def read_manifest(path: Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("format") == FORMAT else None
 
 
+def committed_bytes(path: Path) -> int:
+    """Bytes the manifest of the committed checkpoint at ``path`` records (not verified:
+    for sizing, e.g. the preflight's disk check; 0 without a readable manifest)."""
+    data = read_manifest(path)
+    files = data.get("files", {}) if data else {}
+    return sum(int(meta["size"]) for meta in files.values() if isinstance(meta, dict) and "size" in meta)
+
+
 def verify(path: Path, *, training_hash: str | None = None,
            world_size: int | None = None) -> CheckpointRef | None:
     """Return a ``CheckpointRef`` if ``path`` is a complete, intact checkpoint, else None.

@@ -6,12 +6,14 @@ per node as a subprocess in its own process session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from trainflow.plan import build_plan
 from trainflow.spec import TrainingSpec
@@ -66,13 +68,25 @@ def kill_tree(proc: subprocess.Popen | int, sig: int = signal.SIGKILL) -> None:
     signal_tree(proc if isinstance(proc, int) else proc.pid, sig)
 
 
+def stop_agents(procs: list[subprocess.Popen]) -> None:
+    """Kill the trees of the agents still running and reap every agent."""
+    for p in procs:
+        if p.poll() is None:
+            kill_tree(p)
+        p.wait()
+
+
+@contextlib.contextmanager
+def gang(spec: TrainingSpec, run_dir: Path) -> Iterator[list[subprocess.Popen]]:
+    """Prepare ``run_dir`` and start ``spec``'s node agents; stop whatever still runs on exit."""
+    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=Path(run_dir) / "logs")
+    try:
+        yield procs
+    finally:
+        stop_agents(procs)
+
+
 def run_local(spec: TrainingSpec, run_dir: Path, *, timeout: float = 1800) -> list[int]:
     """Train ``spec`` on this machine; return the agents' exit codes."""
-    plan_path = prepare(spec, run_dir)
-    procs = start_agents(plan_path, spec.nodes, log_dir=Path(run_dir) / "logs")
-    try:
+    with gang(spec, run_dir) as procs:
         return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p)
