@@ -88,7 +88,9 @@ class Subprocess:
 
 def abort_message(abort: dict) -> str:
     what = "failed in user code" if abort.get("kind") == "user" else "stopped the run"
-    return (f"rank {abort.get('rank')} {what}, not retried: {abort.get('message')}\n"
+    from trainflow.remediation import abort_source
+
+    return (f"{abort_source(abort)} {what}, not retried: {abort.get('message')}\n"
             f"{abort.get('traceback', '')}")
 
 

@@ -24,7 +24,8 @@ def checkpoint_asset(dag_id: str) -> Asset:
 # (a killed or replaced node, a failed preflight, an agent that gave up) are retried
 # after one second, so the gang is whole again quickly.
 NODE_RETRY_POLICY = ExceptionRetryPolicy(rules=[
-    RetryRule(exception=["trainflow.errors.RunAbortedError", "trainflow.errors.SpecError"],
+    RetryRule(exception=["trainflow.errors.RunAbortedError", "trainflow.errors.SpecError",
+                         "trainflow.errors.ChipUnavailableError"],
               action=RetryAction.FAIL, reason="deterministic failure: a retry cannot help"),
     RetryRule(exception="trainflow.errors.TrainingError", action=RetryAction.RETRY,
               retry_delay=timedelta(seconds=1), reason="infrastructure failure: replace the node"),

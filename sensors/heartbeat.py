@@ -112,7 +112,7 @@ class HeartbeatTrigger(BaseTrigger):
         from pathlib import Path
 
         from trainflow.heartbeat import Action, decide, read_all
-        from trainflow.remediation import aborted, remediations, request_node_restart
+        from trainflow.remediation import abort_source, aborted, remediations, request_node_restart
 
         run_dir, last = Path(self.run_dir), None
         suspects: dict[int, int] = {}  # rank → consecutive polls flagged
@@ -130,7 +130,7 @@ class HeartbeatTrigger(BaseTrigger):
                 self.log.info("heartbeats: %s — %s", result.verdict.value, result.message)
                 last = result.verdict
             if action == Action.FAIL and abort is not None:
-                yield self.event("error", "aborted", f"run aborted by rank {abort.get('rank')} "
+                yield self.event("error", "aborted", f"run aborted by {abort_source(abort)} "
                                  f"({abort.get('kind')}): {abort.get('message')}")
                 return
             if action == Action.FAIL:

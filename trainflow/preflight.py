@@ -1,7 +1,9 @@
 """The preflight a node passes before it joins its gang.
 
-Checks, in order: the host is not cordoned (or, if it is, passes its chip health check,
-which lifts the cordon); the chip family's health command succeeds; the checkpoint
+Checks, in order: this worker can serve the chip family at all (its torch extension is
+installed — found without importing it, so no device runtime starts in the task process);
+the host is not cordoned (or, if it is, passes its chip health check, which lifts the
+cordon); the chip family's health command succeeds; the checkpoint
 filesystem has room for the next checkpoint; the rendezvous endpoint is reachable. A
 failing node never starts its agent, so it never joins the gang; its task fails as an
 infrastructure error and Airflow's retry places it again.
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainflow.cluster.hosts import CordonPolicy, HostRegistry
-from trainflow.errors import PreflightError
+from trainflow.errors import ChipUnavailableError, PreflightError
+
+# Ends the detail of a health check whose command is missing: a host setup error, not a
+# chip fault, so it does not cordon the host.
+_NOT_INSTALLED = " (not installed on this host)"
 
 # Floor of free space on the checkpoint filesystem: TRAINFLOW_PREFLIGHT_MIN_FREE_MB.
 MIN_FREE_MB = 256
@@ -31,6 +37,20 @@ class Check:
     detail: str
 
 
+def chip_extension(family) -> None:
+    """Raise if this worker lacks the family's torch extension (a misrouted or misbuilt
+    worker: deterministic, so the run stops at once and no host is charged for it)."""
+    import importlib.util
+
+    from trainflow.chips.registry import queue_for
+
+    if family.extension and importlib.util.find_spec(family.extension) is None:
+        raise ChipUnavailableError(
+            f"chip family {family.name!r} needs the {family.extension!r} extension, which is not "
+            f"installed on this worker; install it, or serve queue {queue_for(family.name)!r} "
+            f"only from workers that have it")
+
+
 def chip_health(family, *, timeout: float = 30.0) -> Check:
     """Run the family's health command in a subprocess (exit 0 = healthy)."""
     if not family.health_cmd:
@@ -38,9 +58,9 @@ def chip_health(family, *, timeout: float = 30.0) -> Check:
     try:
         done = subprocess.run(list(family.health_cmd), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
+        env = f"TRAINFLOW_CHIP_{family.name.upper().replace('-', '_')}_HEALTH_CMD"
         return Check("chip_health", False, f"{family.name}: health command {family.health_cmd[0]!r} "
-                     f"not found on this host; install the vendor tools or set "
-                     f"TRAINFLOW_CHIP_{family.name.upper().replace('-', '_')}_HEALTH_CMD")
+                     f"not found; install the vendor tools or set {env}{_NOT_INSTALLED}")
     except subprocess.TimeoutExpired:
         return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} "
                      f"did not answer in {timeout:g}s")
@@ -84,8 +104,10 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
     """Every check for ``node`` of ``plan`` on ``host``; raises if any fails.
 
     Raises:
+        ChipUnavailableError: this worker lacks the family's extension (checked first).
         PreflightError: naming the failed checks (the host is cordoned when its chip
-            health check fails).
+            health check fails; a health command that is not installed is a setup
+            error of the host, reported but not charged as a chip fault).
     """
     from trainflow.checkpoint.manifest import committed_bytes, list_checkpoints
     from trainflow.chips.registry import get_family
@@ -94,6 +116,7 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
     registry = registry or HostRegistry()
     policy = policy or CordonPolicy.from_env()
     family = get_family(plan["spec"]["chip"])
+    chip_extension(family)
     health = chip_health(family)
     checks = []
     cordon = registry.cordoned(host)
@@ -104,7 +127,7 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
         checks.append(Check("cordon", healed, f"host {host} cordoned since {cordon.since:.0f} "
                             f"({cordon.reason}); health check "
                             f"{'passed: cordon lifted' if healed else 'failed'}"))
-    elif not health.ok:
+    elif not health.ok and not health.detail.endswith(_NOT_INSTALLED):
         registry.cordon(host, reason=f"chip health check failed: {health.detail}", now=now)
     checks.append(health)
     ckpt_root = Path(plan["run_dir"]) / "checkpoints"

@@ -23,6 +23,24 @@ def aborted(run_dir: Path) -> dict | None:
         return None
 
 
+def abort(run_dir: Path, error: dict) -> bool:
+    """Write the run's abort record (first writer wins); True if this call wrote it.
+
+    ``error`` names who stopped the run (``rank``, or ``node`` for a failure before any
+    worker started), the ``kind`` and the ``message``.
+    """
+    path = Path(run_dir) / "ABORT"
+    if path.exists():
+        return False
+    write_json_atomic(path, error)
+    return True
+
+
+def abort_source(error: dict) -> str:
+    """Who stopped the run, for messages: ``rank 3`` or ``node 1``."""
+    return f"rank {error['rank']}" if error.get("rank") is not None else f"node {error.get('node')}"
+
+
 def remediations(run_dir: Path) -> int:
     """Node replacements requested so far (pending and handled)."""
     control = Path(run_dir) / "control"

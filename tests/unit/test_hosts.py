@@ -8,7 +8,7 @@ import pytest
 
 from trainflow import preflight
 from trainflow.cluster.hosts import CordonPolicy, HostRegistry
-from trainflow.errors import PreflightError
+from trainflow.errors import ChipUnavailableError, PreflightError
 from trainflow.launch.local import free_port
 
 POLICY = CordonPolicy(failures=3, window_s=60)
@@ -66,10 +66,22 @@ def test_failed_chip_health_cordons_and_a_later_pass_lifts_it(tmp_path, registry
     assert registry.cordoned("h") is None
 
 
-def test_missing_health_tool_names_the_fix(tmp_path, registry, monkeypatch):
+def test_missing_health_tool_names_the_fix_and_does_not_cordon(tmp_path, registry, monkeypatch):
     monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "no-such-smi -L")
-    with pytest.raises(PreflightError, match="not found on this host.*TRAINFLOW_CHIP_CPU_HEALTH_CMD"):
+    with pytest.raises(PreflightError, match="not found; install .*TRAINFLOW_CHIP_CPU_HEALTH_CMD "
+                                             r"\(not installed on this host\)"):
         preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
+    assert registry.cordoned("h") is None  # a setup error of the host, not a chip fault
+
+
+def test_worker_without_the_chip_extension_stops_before_any_check(tmp_path, registry):
+    """Ascend needs torch_npu, absent here: found without importing it, raised as the
+    deterministic ChipUnavailableError (no retry), and the host is not charged."""
+    plan = _plan(tmp_path, free_port())
+    plan["spec"]["chip"] = "ascend"
+    with pytest.raises(ChipUnavailableError, match="'torch_npu' extension.*serve queue 'ascend-910b'"):
+        preflight.run(plan, 0, host="h", registry=registry, policy=POLICY)
+    assert registry.cordoned("h") is None and registry.hosts(policy=POLICY) == []
 
 
 def test_preflight_refuses_a_full_checkpoint_disk(tmp_path, registry, monkeypatch):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from trainflow import preflight
 from trainflow.cluster.hosts import CordonPolicy, HostRegistry, host_name
-from trainflow.errors import PreflightError
+from trainflow.errors import ChipUnavailableError, PreflightError
+from trainflow.remediation import abort
 from trainflow.timeline import record
 from trainflow.workspace import write_json_atomic
 
@@ -53,6 +54,14 @@ class NodeTry:
         try:
             return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts,
                                  policy=self.policy)
+        except ChipUnavailableError as exc:
+            # The worker, not the host, is wrong: no retry can help and nothing is charged
+            # to the host. The abort record stops the other nodes and the heartbeat watch.
+            record(self.run_dir, "chip_unavailable", node=self.node, host=self.host, message=str(exc))
+            abort(self.run_dir, {"rank": None, "node": self.node, "kind": "chip_unavailable",
+                                 "type": type(exc).__name__, "message": str(exc), "time": time.time()})
+            self.end("chip_unavailable")
+            raise
         except PreflightError as exc:
             record(self.run_dir, "preflight_failed", node=self.node, host=self.host, message=str(exc))
             self.end("preflight_failed", failure=str(exc))

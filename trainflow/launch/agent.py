@@ -175,14 +175,14 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
 
     from trainflow.proctree import signal_tree
 
-    from trainflow.remediation import aborted
+    from trainflow.remediation import abort_source, aborted
 
     def loop() -> None:
         while (reason := aborted(run_dir)) is None:
             time.sleep(0.2)
         write_json_atomic(status_file, {"node": node, "state": "aborted", "pid": os.getpid(),
                                         "started": started, "ended": time.time(), "error": reason.get("message")})
-        print(f"[node {node}] run aborted by rank {reason.get('rank')}: {reason.get('message')}",
+        print(f"[node {node}] run aborted by {abort_source(reason)}: {reason.get('message')}",
               file=sys.stderr, flush=True)
         for child in _children():
             signal_tree(child)

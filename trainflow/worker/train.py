@@ -23,6 +23,7 @@ from trainflow import timeline
 from trainflow.checkpoint import manifest
 from trainflow.errors import ChipUnavailableError, CrashLoopError, UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
+from trainflow.remediation import abort
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
 from trainflow.workspace import write_json_atomic
@@ -294,9 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if fatal:
             # A deterministic bug or a crash loop: restarting cannot help. Stop every agent.
             record(args.run_dir, "user_error" if user else kind, rank=rank, message=str(exc))
-            abort = args.run_dir / "ABORT"
-            if not abort.exists():
-                write_json_atomic(abort, error)
+            abort(args.run_dir, error)
             print(f"[rank {rank}] {kind} failure, run aborted:\n{error['traceback']}",
                   file=sys.stderr, flush=True)
             return ABORT_EXIT_CODE
