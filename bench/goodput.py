@@ -1,9 +1,9 @@
 """bench/goodput: a ~10-minute run with a fault every 60 s, trainflow vs plain retries.
 
 Both sides train the same spec (digits, 2 nodes × 1 rank, gloo) on this machine, and
-every ``--every`` seconds of wall time a rank is SIGKILLed (ranks 1, 0, 1, ... — rank 0's
-node hosts the rendezvous store; a fault that falls due while the gang is still
-restarting waits until every rank trains again):
+every ``--every`` seconds of wall time a rank's worker is SIGKILLed (ranks 1, 0, 1, ...;
+a fault that falls due while the gang is still restarting waits until every rank trains
+again):
 
 - trainflow: the node agents restart the gang, which resumes from the newest verified
   checkpoint. Goodput is measured twice: from the run's fault timeline

@@ -30,16 +30,22 @@ def rendezvous_poll_interval(nodes: int) -> float:
     return min(1.0, max(0.1, nodes / 100))
 
 
+KEEP_ALIVE_S = 1
+KEEP_ALIVE_MISSES = 3
+
+
 def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
-               rdzv_host: str, rdzv_port: int, env: dict[str, str] | None = None,
-               max_restarts: int | None = None) -> dict[str, Any]:
+               rdzv_endpoint: str, rdzv_backend: str = "trainflow-db",
+               env: dict[str, str] | None = None, max_restarts: int | None = None) -> dict[str, Any]:
     """Lay ``spec`` out over its nodes.
 
     Args:
         spec: the validated training spec.
         dag_id, run_id: the Airflow run this plan belongs to.
         run_dir: the run's workspace directory.
-        rdzv_host, rdzv_port: where the gang's rendezvous store listens.
+        rdzv_endpoint, rdzv_backend: the gang's rendezvous: ``trainflow-db`` (default) on a
+            database no node hosts (``sqlite:////path.db``; it survives any node's loss),
+            or torch's ``c10d`` on ``host:port`` (lost with the node that hosts it).
         env: extra environment for the node agents and workers (e.g. GLOO_SOCKET_IFNAME).
         max_restarts: in-node worker restarts the agent may do before it fails (default:
             two more than the crash-loop limit, so the crash-loop check decides first).
@@ -60,11 +66,15 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
         "max_restarts": spec.crash_loop_limit + 2 if max_restarts is None else max_restarts,
         "env": dict(env or {}),
         "rendezvous": {
-            "backend": "c10d",
-            "endpoint": f"{rdzv_host}:{rdzv_port}",
+            "backend": rdzv_backend,
+            "endpoint": rdzv_endpoint,
             "id": rendezvous_id(spec.tenant, dag_id, run_id),
             "timeout": int(spec.startup_timeout),
             "poll_interval": rendezvous_poll_interval(spec.nodes),
+            # A lost node leaves the rendezvous after keep_alive × max_attempt seconds
+            # (torch's default 5 × 3 made the survivors wait 15 s for a replacement).
+            "keep_alive_interval": KEEP_ALIVE_S,
+            "keep_alive_max_attempt": KEEP_ALIVE_MISSES,
         },
         "nodes": [
             {"node": i, "queue": queue, "ranks": list(range(i * k, (i + 1) * k))}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import time
 from dataclasses import dataclass
@@ -83,12 +84,19 @@ def free_disk(checkpoint_root: Path, *, newest_bytes: int, min_free_mb: float) -
                  f"{need / 2**20:.0f} MiB needed" + ("" if ok else "; free space or lower keep_last"))
 
 
-def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0) -> Check:
-    """The rendezvous host answers on the network.
+def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0, backend: str = "c10d") -> Check:
+    """The rendezvous answers: its database (``trainflow-db``), or its host on the network.
 
     A refused connection counts as reachable: the host answered, and the store is not up
     until the first agent starts it. A timeout or an unreachable network fails.
     """
+    if backend == "trainflow-db":
+        from trainflow.launch import rdzv_db
+
+        try:
+            return Check("rendezvous", True, rdzv_db.reachable(endpoint, timeout=timeout))
+        except (ValueError, OSError, sqlite3.Error) as exc:
+            return Check("rendezvous", False, f"{endpoint} unusable from this host: {exc}")
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
@@ -137,7 +145,8 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
     floor = float(os.environ.get("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", MIN_FREE_MB))
     checks.append(free_disk(ckpt_root, newest_bytes=committed_bytes(newest[1]) if newest else 0,
                             min_free_mb=floor))
-    checks.append(rendezvous_reachable(plan["rendezvous"]["endpoint"]))
+    checks.append(rendezvous_reachable(plan["rendezvous"]["endpoint"],
+                                       backend=plan["rendezvous"].get("backend", "c10d")))
     failed = [c for c in checks if not c.ok]
     if failed:
         raise PreflightError(f"node {node} on host {host} failed preflight: "

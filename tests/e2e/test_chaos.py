@@ -41,8 +41,7 @@ def test_hang_is_detected_and_the_node_replaced(client, clean):
     run, tis = _run(client, "chaos-sigstop", [{"kind": "stop_rank", "rank": 1, "step": 120}])
     assert run["state"] == "success", tis
     # The watch asks to replace only the culprit's node (Airflow's retry does it); elastic
-    # assigns ranks to nodes in rendezvous order, so rank 1 may live on either node. (If
-    # that node's agent hosted the rendezvous store, the other node is replaced with it.)
+    # assigns ranks to nodes in rendezvous order, so rank 1 may live on either node.
     (stall,) = _timeline(client, "chaos-sigstop", "stall_detected")
     assert stall["ranks"] == [1] and "their processes stopped" in stall["message"]
     (culprit,) = stall["nodes"]

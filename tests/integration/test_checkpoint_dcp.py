@@ -63,11 +63,13 @@ def _worker(out: Path) -> None:
         model = DDP(net(seed))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def train(model, opt, steps: int) -> None:
+    def train(model, opt, steps: int, ckpt=None) -> None:
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):
             opt.zero_grad()
             model(torch.randn(16, 32, generator=gen)).square().mean().backward()
+            if ckpt is not None:
+                ckpt.before_update()  # the async save's copy overlapped forward and backward
             opt.step()
 
     def full_state(model, opt) -> str:
@@ -142,7 +144,7 @@ def _worker(out: Path) -> None:
                                  on_error=lambda step, exc: errors.append([step, type(exc).__name__, str(exc)]))
     at_save = rank0(full_state(model, opt))
     ckpt.save(model, opt, step=10)
-    train(model, opt, 1)
+    train(model, opt, 3, ckpt)
     ckpt.wait()
     other, other_opt = ddp(2)
     dcp.load(other, other_opt, newest(out / "async"))

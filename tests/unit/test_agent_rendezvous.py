@@ -36,7 +36,7 @@ def test_poll_interval_keeps_the_store_under_100_reads_a_second(nodes, poll):
 
 def test_plan_carries_the_poll_interval():
     plan = build_plan(TrainingSpec(nodes=2), dag_id="d", run_id="r", run_dir="/tmp/x",
-                      rdzv_host="127.0.0.1", rdzv_port=29400)
+                      rdzv_endpoint="127.0.0.1:29400", rdzv_backend="c10d")
     assert plan["rendezvous"]["poll_interval"] == rendezvous_poll_interval(2)
 
 

@@ -380,14 +380,20 @@ def weights_digest(model) -> str:
 
 
 class AsyncCheckpointer:
-    """Asynchronous sharded saves: training stalls only for the in-memory copy.
+    """Asynchronous sharded saves: training stalls for little more than nothing.
 
-    ``save`` copies this rank's share of the state into CPU buffers that the stager
-    caches per storage (no allocation after the first save) and hands the rest to one
-    background thread: preparing the directory, the DCP write over a gloo group of its
-    own (sharing the training group crashed with a collective mismatch, DESIGN.md §2),
-    and on rank 0 the manifest commit and pruning. One save is in flight at a time; a
-    failed save (ENOSPC, I/O error) leaves the previous checkpoint the newest verified one.
+    ``save`` takes this rank's share of the state (references, no copy) and hands it to one
+    background thread, which copies it into CPU buffers that the stager caches per storage
+    (no allocation after the first save) and then writes: preparing the directory, the DCP
+    write over a gloo group of its own (sharing the training group crashed with a
+    collective mismatch, DESIGN.md §2), and on rank 0 the manifest commit and pruning.
+
+    The copy overlaps the next step's forward and backward, which read the parameters but
+    do not change them: the loop calls ``before_update()`` before ``optimizer.step()``, and
+    only waits there if the copy is not done yet. A model with buffers (batch-norm
+    statistics change in the forward pass, DDP broadcasts them) is copied inside ``save``
+    instead. One save is in flight at a time; a failed save (ENOSPC, I/O error) leaves the
+    previous checkpoint the newest verified one.
     """
 
     def __init__(self, *, root: Path, world_size: int, training_hash: str, keep_last: int,
@@ -407,19 +413,49 @@ class AsyncCheckpointer:
             use_async_staging=False, use_non_blocking_copy=False))
         self.on_commit, self.on_error = on_commit, on_error
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainflow-ckpt")
-        self._idle = threading.Event()
+        self._idle = threading.Event()   # no save in flight
+        self._staged = threading.Event()  # the save in flight no longer reads the live state
         self._idle.set()
+        self._staged.set()
 
     def save(self, model, optimizer, *, step: int) -> None:
-        """Collective: start saving ``step``; returns once the state is staged."""
+        """Collective: start saving ``step``.
+
+        Returns at once; the state must not change until ``before_update()`` returns
+        (for a model with buffers, ``save`` returns once the state is copied).
+        """
         self.wait()
         self._idle.clear()
+        self._staged.clear()
         try:
-            staged = self.stager.stage(_share(_state(model, optimizer), model, self.rank, self.world_size))
-            self._executor.submit(self._write, staged, step)
+            state = _share(_state(model, optimizer), model, self.rank, self.world_size)
+            if next(iter(model.buffers()), None) is not None:
+                staged = self.stager.stage(state)
+                self._staged.set()
+                self._executor.submit(self._write, staged, step)
+            else:
+                self._executor.submit(self._stage_and_write, state, step)
         except BaseException:
+            self._staged.set()
             self._idle.set()
             raise
+
+    def before_update(self) -> None:
+        """Block until the save in flight has copied the state: call before anything
+        changes parameters or optimizer state (``optimizer.step()``, a load)."""
+        self._staged.wait()
+
+    def _stage_and_write(self, state: dict, step: int) -> None:
+        try:
+            staged = self.stager.stage(state)
+        except BaseException as exc:  # noqa: BLE001 - reported like a failed write
+            self._staged.set()
+            if self.on_error is not None:
+                self.on_error(step, exc)
+            self._idle.set()
+            return
+        self._staged.set()
+        self._write(staged, step)
 
     def _write(self, staged: dict, step: int) -> None:
         """Background: write ``staged`` as checkpoint ``step``; rank 0 commits and prunes."""

@@ -156,7 +156,8 @@ def launch_config(plan: dict):
     return LaunchConfig(
         min_nodes=spec["nodes"], max_nodes=spec["nodes"], nproc_per_node=spec["nproc_per_node"],
         run_id=rdzv["id"], rdzv_backend=rdzv["backend"], rdzv_endpoint=rdzv["endpoint"],
-        rdzv_configs={"timeout": rdzv["timeout"], "last_call_timeout": 1},
+        rdzv_configs={"timeout": rdzv["timeout"], "join_timeout": rdzv["timeout"], "last_call_timeout": 1,
+                      **{k: rdzv[k] for k in ("keep_alive_interval", "keep_alive_max_attempt") if k in rdzv}},
         max_restarts=plan["max_restarts"], monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
         role="trainer",
     )
@@ -191,6 +192,29 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
     threading.Thread(target=loop, name="abort-watch", daemon=True).start()
 
 
+def warm_starts(plan: dict) -> bool:
+    """Workers start from a warm zygote unless ``TRAINFLOW_WARM_STARTS=0`` or the chip's
+    runtime must see its environment before torch is imported (``launch.zygote``)."""
+    from trainflow.launch import zygote
+
+    return os.environ.get("TRAINFLOW_WARM_STARTS", "1") != "0" and zygote.usable(plan["spec"]["chip"])
+
+
+def start_zygote(plan: dict, node: int) -> tuple[str, ...]:
+    """Start this node's zygote (it imports the training stack while the gang forms);
+    returns the worker command that torch elastic runs to have it fork a worker."""
+    import subprocess
+
+    from trainflow.launch import zygote
+
+    path = zygote.socket_path(plan["run_dir"], node)
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "serve", path,
+                             str(os.getpid())])
+    os.environ["TRAINFLOW_ZYGOTE_SOCKET"] = path
+    os.environ["TRAINFLOW_ZYGOTE_PID"] = str(proc.pid)
+    return ("-u", "-m", "trainflow.launch.zygote", "run", "trainflow.worker.train")
+
+
 def _children() -> list[int]:
     import psutil
 
@@ -218,10 +242,16 @@ def run(plan_path: Path, node: int) -> int:
     if (poll_s := plan["rendezvous"].get("poll_interval")) is not None:  # older plans: torch's pace
         fast_rendezvous_polling(poll_s)
     cheap_rendezvous_records()
+    if plan["rendezvous"]["backend"] == "trainflow-db":
+        from trainflow.launch import rdzv_db
 
+        rdzv_db.register()
+
+    worker = ("-u", "-m", "trainflow.worker.train")
+    if warm_starts(plan):
+        worker = start_zygote(plan, node)
     try:
-        elastic_launch(launch_config(plan), entrypoint=sys.executable)(
-            "-u", "-m", "trainflow.worker.train", "--run-dir", plan["run_dir"])
+        elastic_launch(launch_config(plan), entrypoint=sys.executable)(*worker, "--run-dir", plan["run_dir"])
     except BaseException as exc:  # noqa: BLE001 - recorded, then the agent fails
         write_json_atomic(status_file, {"node": node, "state": "failed", "pid": os.getpid(),
                                         "started": started, "ended": time.time(),

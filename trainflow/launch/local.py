@@ -32,13 +32,28 @@ def embedded_env() -> dict[str, str]:
 
 
 def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
-            run_id: str = "local", max_restarts: int | None = None) -> Path:
-    """Write spec.json and plan.json into ``run_dir``; return the plan's path."""
+            run_id: str = "local", max_restarts: int | None = None,
+            rdzv_backend: str = "trainflow-db") -> Path:
+    """Write spec.json and plan.json into ``run_dir``; return the plan's path.
+
+    The gang's rendezvous is a database in the run's workspace (every node of an embedded
+    gang shares this machine's disk), emptied here: a cleared run starts a fresh gang.
+    ``rdzv_backend="c10d"`` puts it on torch's store on a free loopback port instead (for
+    comparisons: it is lost with the node that hosts it).
+    """
+    from trainflow.launch import rdzv_db
+    from trainflow.plan import rendezvous_id
+
     run_dir = Path(run_dir).resolve()
     for sub in ("checkpoints", "heartbeats", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    if rdzv_backend == rdzv_db.BACKEND:
+        endpoint = rdzv_db.endpoint(run_dir / "rendezvous.db")
+        rdzv_db.purge(run_dir / "rendezvous.db", rendezvous_id(spec.tenant, dag_id, run_id))
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
     plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(run_dir),
-                      rdzv_host="127.0.0.1", rdzv_port=free_port(), env=embedded_env(),
+                      rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, env=embedded_env(),
                       max_restarts=max_restarts)
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
     write_json_atomic(run_dir / "plan.json", plan)

@@ -214,6 +214,8 @@ def run(run_dir: Path) -> int:
         optimizer.zero_grad(set_to_none=True)
         beat.set_phase("backward")  # gradient collectives: where a stuck peer's victims wait
         loss.backward()
+        if checkpointer is not None:
+            checkpointer.before_update()  # an async save copies the state during forward/backward
         optimizer.step()
         done = step + 1
         loss_value = float(loss.detach())
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from trainflow.proctree import die_with_parent
 
-    die_with_parent(int(os.environ.get("TRAINFLOW_AGENT_PID", "0")))
+    if not os.environ.get("TRAINFLOW_ZYGOTE_CHILD"):  # a zygote's child dies with the zygote
+        die_with_parent(int(os.environ.get("TRAINFLOW_AGENT_PID", "0")))
     try:
         return run(args.run_dir)
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
