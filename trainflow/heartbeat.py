@@ -200,7 +200,10 @@ def culprits(beats: dict[int, dict], stalled: list[int], *, now: float,
     2. ranks outside ``backward`` (where DDP/FSDP collectives run) while others wait in it;
     3. otherwise every stalled rank (it cannot be told).
     """
-    silent = [r for r in stalled if "alive" in beats[r] and now - float(beats[r]["alive"]) > timeout]
+    # A live process pulses every heartbeat interval, far inside ``timeout / 2``. A stopped
+    # one's last pulse can be up to one interval newer than its last progress write, so when
+    # the progress timeout fires its pulse may be just under ``timeout`` old: half is the mark.
+    silent = [r for r in stalled if "alive" in beats[r] and now - float(beats[r]["alive"]) > timeout / 2]
     if silent and len(silent) < len(stalled):
         return silent, "their processes stopped (no liveness pulse) while their peers wait"
     if silent:

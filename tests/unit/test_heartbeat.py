@@ -93,6 +93,14 @@ def test_a_stopped_rank_is_the_culprit_not_its_waiting_peers():
     assert "culprits [1]: their processes stopped" in c.message
 
 
+def test_a_stopped_rank_is_told_apart_though_its_last_pulse_followed_its_last_progress():
+    # SIGSTOP came just after a pulse: progress is past the timeout, the pulse not quite;
+    # the stopped rank's phase still reads as its peers' (it stopped before the next write).
+    beats = {0: _hung(0, "backward", 110.0), 1: _hung(1, "backward", 100.5)}
+    c = classify(beats, now=110.2, world_size=2, started_at=0, policy=POLICY)
+    assert c.ranks == (1,) and "their processes stopped" in c.message
+
+
 def test_a_rank_stuck_in_its_own_code_is_the_culprit():
     # Every process pulses, but rank 0 never left its forward pass (a deadlock in user code).
     beats = {0: _hung(0, "forward", 119), 1: _hung(1, "backward", 119)}
