@@ -3,8 +3,8 @@
 torch elastic's stock ``c10d`` rendezvous keeps its state in a TCPStore served by the
 agent whose address is the endpoint; when that node dies, every other agent loses the
 rendezvous and fails with it, so one node fault costs the whole gang its node tasks.
-Here the state lives in a database every node reaches (``$TRAINFLOW_HOME/state.db``,
-SQLite, in the embedded profile), in two parts, as DESIGN.md §2 measured they must be:
+Here the state lives in a database every node reaches (in the embedded profile
+``rendezvous.db`` in the run's workspace, SQLite in WAL mode), in two parts, as DESIGN.md §2 measured they must be:
 
 - ``DBRendezvousBackend``: torch's ``RendezvousBackend``, the rendezvous state blob
   set by compare-and-set on a version column (the fencing token);
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,6 +43,9 @@ CREATE TABLE IF NOT EXISTS rdzv_kv (
     run_id TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, PRIMARY KEY (run_id, key)
 );
 """
+
+_UPSERT = ("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
+           "DO UPDATE SET value = excluded.value")
 
 # Between reads of a key another agent has not written yet (the store's blocking get/wait).
 POLL_S = 0.01
@@ -79,6 +82,18 @@ def _connect(db: Path) -> sqlite3.Connection:
     con.execute("PRAGMA journal_mode=WAL")
     con.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across process deaths, not power loss
     return con
+
+
+@contextmanager
+def _transaction(con: sqlite3.Connection):
+    """A write transaction taken at once (``BEGIN IMMEDIATE``): committed, or rolled back on error."""
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        yield con
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
 
 
 def ensure_schema(db: Path) -> None:
@@ -127,9 +142,7 @@ class DBRendezvousBackend(_backend_base()):
         return None if row is None else (bytes(row[0]), row[1])
 
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool]:
-        con = self._con
-        con.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(self._con) as con:
             if token is None:
                 written = con.execute("INSERT OR IGNORE INTO rdzv_state VALUES (?, ?, 1)",
                                       (self.run_id, state)).rowcount == 1
@@ -139,10 +152,6 @@ class DBRendezvousBackend(_backend_base()):
                     "WHERE run_id = ? AND version = ?", (state, self.run_id, token)).rowcount == 1
             row = con.execute("SELECT state, version FROM rdzv_state WHERE run_id = ?",
                               (self.run_id,)).fetchone()
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
         return bytes(row[0]), row[1], written
 
 
@@ -187,20 +196,12 @@ class DBStore(_store_base()):
         return value.encode() if isinstance(value, str) else bytes(value)
 
     def set(self, key: str, value) -> None:
-        self._con.execute("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
-                          "DO UPDATE SET value = excluded.value", (self.run_id, key, self._bytes(value)))
+        self._con.execute(_UPSERT, (self.run_id, key, self._bytes(value)))
 
     def multi_set(self, keys: list[str], values: list) -> None:
-        con = self._con
-        con.execute("BEGIN IMMEDIATE")
-        try:
-            con.executemany("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
-                            "DO UPDATE SET value = excluded.value",
-                            [(self.run_id, k, self._bytes(v)) for k, v in zip(keys, values, strict=True)])
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+        with _transaction(self._con) as con:
+            con.executemany(_UPSERT, [(self.run_id, k, self._bytes(v))
+                                      for k, v in zip(keys, values, strict=True)])
 
     def get(self, key: str) -> bytes:
         return self._await([key])[key]
@@ -211,38 +212,24 @@ class DBStore(_store_base()):
 
     def add(self, key: str, amount: int) -> int:
         """Atomic add to an integer kept as ASCII digits (TCPStore's encoding)."""
-        con = self._con
-        con.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(self._con) as con:
             row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?",
                               (self.run_id, key)).fetchone()
             value = (int(bytes(row[0])) if row else 0) + int(amount)
-            con.execute("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
-                        "DO UPDATE SET value = excluded.value", (self.run_id, key, str(value).encode()))
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+            con.execute(_UPSERT, (self.run_id, key, str(value).encode()))
         return value
 
     def compare_set(self, key: str, expected, desired) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected``
         is empty); returns the value it holds afterwards (TCPStore's semantics)."""
         expected, desired = self._bytes(expected), self._bytes(desired)
-        con = self._con
-        con.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(self._con) as con:
             row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?",
                               (self.run_id, key)).fetchone()
             current = None if row is None else bytes(row[0])
             if (current is None and expected == b"") or current == expected:
-                con.execute("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
-                            "DO UPDATE SET value = excluded.value", (self.run_id, key, desired))
+                con.execute(_UPSERT, (self.run_id, key, desired))
                 current = desired
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
         return expected if current is None else current
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
