@@ -172,13 +172,14 @@ class HeartbeatSensor(BaseSensorOperator):
     def execute(self, context) -> None:
         from operators._common import load_plan
 
-        spec = load_plan(self.run_dir)["spec"]
+        plan = load_plan(self.run_dir)
+        spec = plan["spec"]
         self.defer(
             trigger=HeartbeatTrigger(
-                run_dir=self.run_dir, world_size=spec["nodes"] * spec["nproc_per_node"],
+                run_dir=self.run_dir, world_size=plan["world_size"],
                 timeout=spec["heartbeat_timeout"], startup_timeout=spec["startup_timeout"],
                 started_at=time.time(), poll_interval=self.poll_interval,
-                max_remediations=spec["retries"] * spec["nodes"],
+                max_remediations=spec["retries"] * len(plan["nodes"]),
                 straggler_margin=spec["straggler_margin"],
                 exclude_stragglers=spec.get("exclude_stragglers", False)),
             method_name="execute_complete",

@@ -56,14 +56,15 @@ def test_params_are_generated_from_the_spec(dagbag):
     assert set(params.keys()) == set(TrainingSpec.__dataclass_fields__)
     assert params["workload"] == "tinylm"
     schema = params.get_param("nodes").schema
-    assert schema["minimum"] == 1 and schema["type"] == "integer"
+    assert schema["minimum"] == 1 and schema["type"] == ["integer", "string"]
+    params.get_param("nodes").resolve("2:4")  # an elastic range passes the form
 
 
 def test_trigger_form_rejects_bad_values(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
     params = dagbag.dags["train_digits"].params
-    for key, bad in [("nodes", 0), ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
+    for key, bad in [("nodes", 0), ("nodes", "2-4"), ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
         p = params.get_param(key)
         with pytest.raises(ParamValidationError):
             p.resolve(bad)

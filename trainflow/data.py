@@ -1,10 +1,13 @@
 """Deterministic, balanced data sharding.
 
 The global sample order is a function of (seed, epoch) only; a step takes the next
-``global_batch`` positions of that order and rank r takes its contiguous slice of them.
-So every rank gets exactly ``batch_size`` samples per step, the data position is just the
-step number (checkpointed with the weights), and the order does not depend on the world
-size: a resharded run that keeps the global batch sees the same samples.
+``global_batch`` positions of that order and rank r takes its contiguous slice of them
+(``split``: equal slices, or as equal as they can be when the world does not divide the
+batch). The data position is the number of samples taken so far, ``step × global_batch``
+while the global batch never changes (checkpointed with the weights as the step), and the
+order does not depend on the world size: a resharded run that keeps the global batch sees
+the same samples at every step, and one that changes it continues at the position its
+checkpoint recorded, so within an epoch no sample is skipped or seen twice.
 """
 
 from __future__ import annotations
@@ -25,20 +28,48 @@ def global_positions(step: int, global_batch: int) -> range:
     return range(step * global_batch, (step + 1) * global_batch)
 
 
+def split(global_batch: int, world_size: int, rank: int) -> range:
+    """Rank ``rank``'s slice of a step's ``global_batch`` positions (offsets in the step):
+    contiguous, sizes differing by at most one, larger slices first. Pure."""
+    base, extra = divmod(global_batch, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def indices_at(*, n: int, seed: int, positions: range) -> list[int]:
+    """Sample indices at global ``positions`` of the (seed, epoch) orders."""
+    if n <= 0:
+        raise ValueError("the training set is empty")
+    out = []
+    for p in positions:
+        epoch, offset = divmod(p, n)
+        out.append(int(epoch_order(n, seed, epoch)[offset]))
+    return out
+
+
 def shard_indices(*, n: int, seed: int, step: int, batch_size: int, world_size: int,
                   rank: int) -> list[int]:
-    """Sample indices rank ``rank`` trains on at ``step``.
+    """Sample indices rank ``rank`` trains on at ``step`` of a fixed-size gang
+    (``batch_size`` per rank, so position ``step × batch_size × world_size``).
 
     Raises:
         ValueError: ``rank`` outside the world or an empty data set.
     """
-    if n <= 0:
-        raise ValueError("the training set is empty")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of size {world_size}")
     start = step * batch_size * world_size + rank * batch_size
-    out = []
-    for p in range(start, start + batch_size):
-        epoch, offset = divmod(p, n)
-        out.append(int(epoch_order(n, seed, epoch)[offset]))
-    return out
+    return indices_at(n=n, seed=seed, positions=range(start, start + batch_size))
+
+
+def rank_positions(*, position: int, global_batch: int, world_size: int, rank: int) -> range:
+    """Global positions rank ``rank`` takes in the step that starts at ``position``.
+
+    Raises:
+        ValueError: ``rank`` outside the world, or fewer samples than ranks.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of size {world_size}")
+    if global_batch < world_size:
+        raise ValueError(f"a global batch of {global_batch} cannot feed {world_size} ranks")
+    part = split(global_batch, world_size, rank)
+    return range(position + part.start, position + part.stop)

@@ -69,11 +69,13 @@ class HeartbeatWriter:
     is how ``culprits`` tells it from its victims.
     """
 
-    def __init__(self, directory: Path, *, rank: int, node: int, interval: float) -> None:
+    def __init__(self, directory: Path, *, rank: int, node: int, interval: float,
+                 world: int | None = None) -> None:
         import threading
 
         self.path = Path(directory) / f"rank-{rank:05d}.json"
-        self.rank, self.node, self.interval = rank, node, interval
+        self.rank, self.node, self.interval, self.world = rank, node, interval, world
+        self._started = time.time()
         self._last_write = 0.0
         self._last_state: RankState | None = None
         self._progress_at = time.time()
@@ -107,6 +109,7 @@ class HeartbeatWriter:
             return
         self._record = {
             "rank": self.rank, "node": self.node, "pid": os.getpid(), "step": step,
+            **({"world": self.world, "started": self._started} if self.world is not None else {}),
             "total": total, "state": state.value, "time": now, "progress_time": self._progress_at,
             **extra,
         }
@@ -142,6 +145,22 @@ def read_all(directory: Path) -> dict[int, dict]:
     return out
 
 
+def current_gang(beats: dict[int, dict], world_size: int) -> tuple[dict[int, dict], int]:
+    """The heartbeats of the gang now running, and its world size. Pure.
+
+    An elastic gang changes size: the newest worker to start (``started``) tells the
+    current world size; ranks beyond it are left over from a larger gang and ignored, and
+    a rank whose beat still names another world size has not restarted into this gang yet
+    (it counts as missing). Beats without ``world`` (older workers) belong to a gang of
+    ``world_size``.
+    """
+    sized = [b for b in beats.values() if "world" in b]
+    if not sized:
+        return beats, world_size
+    world = int(max(sized, key=lambda b: float(b.get("started", 0)))["world"])
+    return {r: b for r, b in beats.items() if r < world and int(b.get("world", world)) == world}, world
+
+
 def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at: float,
              policy: HeartbeatPolicy) -> Classification:
     """Decide what the heartbeats of a run say. Pure: time is a parameter.
@@ -149,10 +168,12 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
     Args:
         beats: rank → latest heartbeat (``read_all``).
         now: the current wall-clock time.
-        world_size: ranks expected.
+        world_size: ranks of the full gang (an elastic gang runs with what its beats
+            say, ``current_gang``).
         started_at: when watching began (start of the startup window).
         policy: the timeouts.
     """
+    beats, world_size = current_gang(beats, world_size)
     steps = {r: int(b.get("step", -1)) for r, b in beats.items()}
     missing = sorted(set(range(world_size)) - set(beats))
     if missing:

@@ -70,14 +70,24 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
             "endpoint": rdzv_endpoint,
             "id": rendezvous_id(spec.tenant, dag_id, run_id),
             "timeout": int(spec.startup_timeout),
-            "poll_interval": rendezvous_poll_interval(spec.nodes),
+            "poll_interval": rendezvous_poll_interval(spec.max_nodes + spec.spares),
+            # The gang forms with min_nodes..max_nodes agents; an elastic gang short of
+            # max_nodes waits this long for more before it trains with fewer.
+            "min_nodes": spec.min_nodes,
+            "max_nodes": spec.max_nodes,
+            "last_call_timeout": spec.shrink_grace if spec.elastic else 1,
             # A lost node leaves the rendezvous after keep_alive × max_attempt seconds
             # (torch's default 5 × 3 made the survivors wait 15 s for a replacement).
             "keep_alive_interval": KEEP_ALIVE_S,
             "keep_alive_max_attempt": KEEP_ALIVE_MISSES,
         },
+        # One slot per node of the full gang, then one per hot spare. Ranks are the ones a
+        # slot gets in a gang of its first max_nodes slots; torch elastic assigns the real
+        # ones as agents join (a spare that steps in takes the lost node's).
+        "spares": spec.spares,
         "nodes": [
-            {"node": i, "queue": queue, "ranks": list(range(i * k, (i + 1) * k))}
-            for i in range(spec.nodes)
+            {"node": i, "queue": queue, "role": "member" if i < spec.max_nodes else "spare",
+             "ranks": list(range(i * k, (i + 1) * k)) if i < spec.max_nodes else []}
+            for i in range(spec.max_nodes + spec.spares)
         ],
     }

@@ -21,6 +21,9 @@ from trainflow.faults import FAULT_SCHEMA, FaultKind, parse_faults
 
 BUILTIN_WORKLOADS = ("digits", "tinylm")
 STRATEGIES = ("ddp", "fsdp")
+BATCH_POLICIES = ("keep_global", "keep_per_rank")
+MAX_NODES = 64
+NODES_PATTERN = r"^[0-9]{1,2}(:[0-9]{1,2})?$"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 # Built-in names, or 'package.module:function' (so the trigger form refuses anything else).
 WORKLOAD_PATTERN = (r"^(" + "|".join(BUILTIN_WORKLOADS)
@@ -30,6 +33,7 @@ STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*)$"
 # Fields whose values change the trained weights; the checkpoint manifest records their
 # hash so a run never resumes from another run's state. World size is checked separately.
 _TRAINING_FIELDS = ("workload", "chip", "strategy", "steps", "batch_size", "lr", "seed")
+# ... and, only where it is not the default, the batch policy (older manifests stay valid).
 
 
 def _meta(title: str, description: str, **schema: Any) -> dict[str, Any]:
@@ -45,9 +49,25 @@ class TrainingSpec:
         "Built-in workload (digits, tinylm) or the import path of your own, "
         "'package.module:build', returning model, datasets, loss and evaluation.",
         pattern=WORKLOAD_PATTERN, maxLength=200))
-    nodes: int = field(default=2, metadata=_meta(
-        "Nodes", "Number of nodes (one shard_train task each), admitted all-or-nothing.",
-        minimum=1, maximum=64))
+    nodes: int | str = field(default=2, metadata=_meta(
+        "Nodes", "Nodes of the gang (one shard_train task each): a number (fixed size, "
+        "admitted all-or-nothing) or 'min:max' (elastic: starts with at least min, grows up "
+        "to max as capacity frees, shrinks down to min when a node is lost for good).",
+        minimum=1, maximum=MAX_NODES, pattern=NODES_PATTERN))
+    spares: int = field(default=0, metadata=_meta(
+        "Hot spares", "Extra nodes admitted, preflight-checked and waiting in the rendezvous; "
+        "a failed node is replaced by one at once, with no Airflow retry.", minimum=0, maximum=8))
+    shrink_grace: float = field(default=30.0, metadata=_meta(
+        "Shrink grace (s)", "Elastic runs: how long the gang waits for a lost node's replacement "
+        "before it goes on with fewer nodes (never fewer than min).", minimum=1, maximum=3600))
+    batch_policy: str = field(default="keep_global", metadata=_meta(
+        "Batch policy", "Elastic runs, when the world size changes: keep_global keeps the global "
+        "batch (batch_size × the full world size) and splits it over the ranks there are, so every "
+        "step trains on the same samples as at full size; keep_per_rank keeps batch_size per rank "
+        "and the global batch follows the world size.", enum=list(BATCH_POLICIES)))
+    record_samples: bool = field(default=False, metadata=_meta(
+        "Record samples", "Write the sample indices every rank trains on at every step to "
+        "samples/rank-<r>.jsonl in the run's workspace (data lineage: coverage can be audited)."))
     nproc_per_node: int = field(default=1, metadata=_meta(
         "Processes per node", "Worker processes (ranks) per node, usually one per chip.",
         minimum=1, maximum=16))
@@ -109,8 +129,9 @@ class TrainingSpec:
         "Empty for a normal run.", **FAULT_SCHEMA))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", _parse_nodes(self.nodes))
         for f in fields(self):
-            if f.type != "tuple":
+            if f.type not in ("tuple", "int | str"):
                 _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
         object.__setattr__(self, "faults", parse_faults(self.faults, world_size=self.world_size,
                                                         steps=self.steps))
@@ -125,6 +146,11 @@ class TrainingSpec:
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise SpecError("heartbeat_timeout", self.heartbeat_timeout,
                             f"must be at least 2 × heartbeat_interval ({self.heartbeat_interval})")
+        if self.elastic and self.heartbeat_timeout < self.shrink_grace + 10:
+            raise SpecError("heartbeat_timeout", self.heartbeat_timeout,
+                            f"must be at least shrink_grace + 10 s ({self.shrink_grace + 10:g}) in an "
+                            f"elastic gang, whose survivors wait shrink_grace for a replacement "
+                            f"without training; raise it or lower shrink_grace")
         if ".." in self.store_uri:
             raise SpecError("store_uri", self.store_uri, "must not contain '..'")
 
@@ -162,21 +188,68 @@ class TrainingSpec:
 
     # -- derived ------------------------------------------------------------------------
     @property
+    def min_nodes(self) -> int:
+        return int(str(self.nodes).split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(str(self.nodes).split(":")[-1])
+
+    @property
+    def elastic(self) -> bool:
+        """The gang may change size (``nodes`` is 'min:max' with min < max)."""
+        return self.min_nodes < self.max_nodes
+
+    @property
     def world_size(self) -> int:
-        return self.nodes * self.nproc_per_node
+        """Ranks of the full gang (``max_nodes`` nodes)."""
+        return self.max_nodes * self.nproc_per_node
+
+    @property
+    def min_world_size(self) -> int:
+        return self.min_nodes * self.nproc_per_node
 
     @property
     def global_batch_size(self) -> int:
+        """Samples per step of the full gang (what ``keep_global`` keeps at every size)."""
         return self.batch_size * self.world_size
+
+    def global_batch_at(self, world: int) -> int:
+        """Samples per step when ``world`` ranks train (the batch policy)."""
+        return self.global_batch_size if self.batch_policy == "keep_global" else self.batch_size * world
 
     def training_hash(self) -> str:
         """Hash of the fields that decide the trained weights (checkpoint compatibility)."""
-        payload = json.dumps({k: getattr(self, k) for k in _TRAINING_FIELDS}, sort_keys=True)
+        values = {k: getattr(self, k) for k in _TRAINING_FIELDS}
+        if self.batch_policy != "keep_global":
+            values["batch_policy"] = self.batch_policy
+        payload = json.dumps(values, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 _JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "tuple": "array",
-               "bool": "boolean"}
+               "bool": "boolean", "int | str": ["integer", "string"]}
+
+
+def _parse_nodes(value: Any) -> int | str:
+    """``nodes`` normalised: an int for a fixed size ("3", "3:3" → 3), "min:max" otherwise.
+
+    Raises:
+        SpecError: not a positive number or 'min:max' with 1 ≤ min ≤ max ≤ MAX_NODES.
+    """
+    fix = f"use a number of nodes (1..{MAX_NODES}) or 'min:max', e.g. '2:4'"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpecError("nodes", value, fix)
+    if isinstance(value, str):
+        if not re.fullmatch(NODES_PATTERN, value):
+            raise SpecError("nodes", value, fix)
+        low, _, high = value.partition(":")
+        low, high = int(low), int(high or low)
+    else:
+        low = high = value
+    if not 1 <= low <= high <= MAX_NODES:
+        raise SpecError("nodes", value, fix + (" with min ≤ max" if low > high else ""))
+    return low if low == high else f"{low}:{high}"
 
 
 def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> None:

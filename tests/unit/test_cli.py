@@ -13,7 +13,7 @@ def test_validate_prints_the_spec_or_the_error(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"nodes": 0}))
     assert main(["validate", str(bad)]) == 2
-    assert "invalid nodes=0: must be ≥ 1" in capsys.readouterr().err
+    assert "invalid nodes=0: use a number of nodes (1..64)" in capsys.readouterr().err
 
 
 def test_chaos_refuses_unknown_ranks(tmp_path, capsys):

@@ -15,8 +15,12 @@ def test_defaults_are_valid_and_derived_sizes():
 @pytest.mark.parametrize(
     "conf, field, fix",
     [
-        ({"nodes": 0}, "nodes", "≥ 1"),
-        ({"nodes": -3}, "nodes", "≥ 1"),
+        ({"nodes": 0}, "nodes", "use a number of nodes (1..64)"),
+        ({"nodes": -3}, "nodes", "use a number of nodes"),
+        ({"nodes": "4:2"}, "nodes", "with min ≤ max"),
+        ({"nodes": "2-4"}, "nodes", "'min:max'"),
+        ({"nodes": "0:3"}, "nodes", "use a number of nodes"),
+        ({"batch_policy": "grow"}, "batch_policy", "keep_global"),
         ({"chip": "tpu"}, "chip", "ascend"),
         ({"workload": "nosuch"}, "workload", "package.module:build"),
         ({"steps": 0}, "steps", "≥ 1"),
@@ -26,7 +30,7 @@ def test_defaults_are_valid_and_derived_sizes():
         ({"tenant": "../etc"}, "tenant", "must match"),
         ({"tenant": "a/b"}, "tenant", "must match"),
         ({"strategy": "zero3"}, "strategy", "ddp"),
-        ({"nodes": True}, "nodes", "integer"),
+        ({"nodes": True}, "nodes", "use a number of nodes"),
         ({"lr": float("nan")}, "lr", "finite"),
         ({"store_uri": "file:///tmp/../etc"}, "store_uri", ".."),
         ({"bogus": 1}, "bogus", "unknown field"),
@@ -39,6 +43,22 @@ def test_bad_input_names_field_value_and_fix(conf, field, fix):
     assert info.value.field == field
     assert fix in str(info.value)
     assert repr(next(iter(conf.values())))[:10] in str(info.value) or field == "checkpoint_interval"
+
+
+def test_elastic_nodes_and_batch_policy():
+    spec = TrainingSpec(nodes="2:4", nproc_per_node=2, batch_size=8, spares=1)
+    assert (spec.min_nodes, spec.max_nodes, spec.elastic) == (2, 4, True)
+    assert (spec.world_size, spec.min_world_size, spec.global_batch_size) == (8, 4, 64)
+    assert spec.global_batch_at(4) == 64 and spec.global_batch_at(6) == 64  # keep_global
+    per_rank = TrainingSpec(nodes="2:4", batch_size=8, batch_policy="keep_per_rank")
+    assert per_rank.global_batch_at(3) == 24
+    assert per_rank.training_hash() != TrainingSpec(nodes="2:4", batch_size=8).training_hash()
+    for fixed in (3, "3", "3:3"):
+        spec = TrainingSpec(nodes=fixed)
+        assert spec.nodes == 3 and not spec.elastic and spec.world_size == 3
+    assert TrainingSpec.from_json(TrainingSpec(nodes="1:3").to_json()).nodes == "1:3"
+    # the elastic fields do not change the training hash of fixed-size runs
+    assert TrainingSpec(nodes=2).training_hash() == TrainingSpec(nodes="2:4", spares=2).training_hash()
 
 
 def test_json_round_trip_and_number_coercion():

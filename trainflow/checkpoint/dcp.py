@@ -418,8 +418,8 @@ class AsyncCheckpointer:
         self._idle.set()
         self._staged.set()
 
-    def save(self, model, optimizer, *, step: int) -> None:
-        """Collective: start saving ``step``.
+    def save(self, model, optimizer, *, step: int, extra: dict | None = None) -> None:
+        """Collective: start saving ``step`` (``extra``: recorded in its manifest).
 
         Returns at once; the state must not change until ``before_update()`` returns
         (for a model with buffers, ``save`` returns once the state is copied).
@@ -432,9 +432,9 @@ class AsyncCheckpointer:
             if next(iter(model.buffers()), None) is not None:
                 staged = self.stager.stage(state)
                 self._staged.set()
-                self._executor.submit(self._write, staged, step)
+                self._executor.submit(self._write, staged, step, extra)
             else:
-                self._executor.submit(self._stage_and_write, state, step)
+                self._executor.submit(self._stage_and_write, state, step, extra)
         except BaseException:
             self._staged.set()
             self._idle.set()
@@ -445,7 +445,7 @@ class AsyncCheckpointer:
         changes parameters or optimizer state (``optimizer.step()``, a load)."""
         self._staged.wait()
 
-    def _stage_and_write(self, state: dict, step: int) -> None:
+    def _stage_and_write(self, state: dict, step: int, extra: dict | None) -> None:
         try:
             staged = self.stager.stage(state)
         except BaseException as exc:  # noqa: BLE001 - reported like a failed write
@@ -455,9 +455,9 @@ class AsyncCheckpointer:
             self._idle.set()
             return
         self._staged.set()
-        self._write(staged, step)
+        self._write(staged, step, extra)
 
-    def _write(self, staged: dict, step: int) -> None:
+    def _write(self, staged: dict, step: int, extra: dict | None) -> None:
         """Background: write ``staged`` as checkpoint ``step``; rank 0 commits and prunes."""
         import torch.distributed.checkpoint as dcp
 
@@ -466,7 +466,8 @@ class AsyncCheckpointer:
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             if self.rank == 0:
                 ref = manifest.commit(self.root, step, world_size=self.world_size,
-                                      training_hash=self.training_hash, digests=writer.digests)
+                                      training_hash=self.training_hash, extra=extra,
+                                      digests=writer.digests)
                 manifest.prune(self.root, self.keep_last)
                 if self.on_commit is not None:
                     self.on_commit(ref)

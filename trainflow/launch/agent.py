@@ -153,10 +153,13 @@ def launch_config(plan: dict):
     from torch.distributed.launcher.api import LaunchConfig
 
     spec, rdzv = plan["spec"], plan["rendezvous"]
+    nodes = int(spec["nodes"]) if str(spec["nodes"]).isdigit() else None  # plans before elastic gangs
     return LaunchConfig(
-        min_nodes=spec["nodes"], max_nodes=spec["nodes"], nproc_per_node=spec["nproc_per_node"],
+        min_nodes=rdzv.get("min_nodes", nodes), max_nodes=rdzv.get("max_nodes", nodes),
+        nproc_per_node=spec["nproc_per_node"],
         run_id=rdzv["id"], rdzv_backend=rdzv["backend"], rdzv_endpoint=rdzv["endpoint"],
-        rdzv_configs={"timeout": rdzv["timeout"], "join_timeout": rdzv["timeout"], "last_call_timeout": 1,
+        rdzv_configs={"timeout": rdzv["timeout"], "join_timeout": rdzv["timeout"],
+                      "last_call_timeout": rdzv.get("last_call_timeout", 1),
                       **{k: rdzv[k] for k in ("keep_alive_interval", "keep_alive_max_attempt") if k in rdzv}},
         max_restarts=plan["max_restarts"], monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
         role="trainer",
@@ -164,6 +167,58 @@ def launch_config(plan: dict):
 
 
 ABORT_EXIT_CODE = 3
+# A completed run releases agents that are still running this long after its last step.
+RELEASE_AFTER_S = 3.0
+
+
+def gang_below_full_size(plan: dict, node: int, *, now: float) -> bool:
+    """Whether an elastic gang is training without this node and short of its full size:
+    joining now would restart it mid-interval, so the node asks for a grow window at the
+    next checkpoint instead (``await_grow_window``)."""
+    from trainflow.heartbeat import RankState, current_gang, read_all
+
+    spec = plan["spec"]
+    full = plan["rendezvous"].get("max_nodes", 0) * spec["nproc_per_node"]
+    beats, world = current_gang(read_all(Path(plan["run_dir"]) / "heartbeats"), plan["world_size"])
+    if not beats or world >= full or any(int(b.get("node", -1)) == node for b in beats.values()):
+        return False
+    fresh = 3 * float(spec["heartbeat_interval"])
+    return len(beats) == world and all(
+        b.get("state") in (RankState.TRAINING.value, RankState.CHECKPOINTING.value)
+        and now - float(b.get("alive", b.get("time", 0))) <= fresh for b in beats.values())
+
+
+def await_grow_window(plan: dict, node: int) -> str:
+    """Ask the running gang to let this node in at its next checkpoint and wait for it.
+
+    Returns why the wait ended: ``ack`` (the gang committed a checkpoint and waits for
+    joiners), ``stopped`` (the gang is not training now: it re-forms anyway, join at once)
+    or ``complete`` (the run ended).
+    """
+    control = Path(plan["run_dir"]) / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    asked = time.time()
+    request = control / f"grow-request-{node:04d}.json"
+    write_json_atomic(request, {"node": node, "time": asked})
+    print(f"[node {node}] the gang trains without this node; asking to join at its next checkpoint",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            if (control / "complete.json").exists():
+                return "complete"
+            try:
+                ack = json.loads((control / "grow-ack.json").read_text())
+            except (OSError, ValueError):
+                ack = None
+            if ack is not None and float(ack.get("time", 0)) >= asked:
+                print(f"[node {node}] joining at the checkpoint of step {ack.get('step')}",
+                      file=sys.stderr, flush=True)
+                return "ack"
+            if not gang_below_full_size(plan, node, now=time.time()):
+                return "stopped"
+            time.sleep(0.2)
+    finally:
+        request.unlink(missing_ok=True)
 
 
 def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) -> None:
@@ -178,9 +233,26 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
 
     from trainflow.remediation import abort_source, aborted
 
+    complete = run_dir / "control" / "complete.json"
+
     def loop() -> None:
+        done_since = None
         while (reason := aborted(run_dir)) is None:
             time.sleep(0.2)
+            if not complete.exists():
+                continue
+            # The run trained to the end without this agent's workers finishing here:
+            # a standing hot spare, or a node still waiting to join. Members end by
+            # themselves within moments of the last step; whoever still waits is released.
+            done_since = done_since or time.time()
+            if time.time() - done_since >= RELEASE_AFTER_S:
+                write_json_atomic(status_file, {"node": node, "state": "released", "pid": os.getpid(),
+                                                "started": started, "ended": time.time()})
+                print(f"[node {node}] the run completed without this node's workers; released",
+                      file=sys.stderr, flush=True)
+                for child in _children():
+                    signal_tree(child)
+                os._exit(0)
         write_json_atomic(status_file, {"node": node, "state": "aborted", "pid": os.getpid(),
                                         "started": started, "ended": time.time(), "error": reason.get("message")})
         print(f"[node {node}] run aborted by {abort_source(reason)}: {reason.get('message')}",
@@ -250,6 +322,10 @@ def run(plan_path: Path, node: int) -> int:
     worker = ("-u", "-m", "trainflow.worker.train")
     if warm_starts(plan):
         worker = start_zygote(plan, node)
+    if gang_below_full_size(plan, node, now=time.time()) and await_grow_window(plan, node) == "complete":
+        write_json_atomic(status_file, {"node": node, "state": "released", "pid": os.getpid(),
+                                        "started": started, "ended": time.time()})
+        return 0
     try:
         elastic_launch(launch_config(plan), entrypoint=sys.executable)(*worker, "--run-dir", plan["run_dir"])
     except BaseException as exc:  # noqa: BLE001 - recorded, then the agent fails

@@ -45,8 +45,10 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
     from trainflow.plan import rendezvous_id
 
     run_dir = Path(run_dir).resolve()
-    for sub in ("checkpoints", "heartbeats", "logs"):
+    for sub in ("checkpoints", "heartbeats", "logs", "control"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    for stale in ("complete.json", "grow-ack.json", *(p.name for p in (run_dir / "control").glob("grow-request-*"))):
+        (run_dir / "control" / stale).unlink(missing_ok=True)  # of an earlier try of this run
     if rdzv_backend == rdzv_db.BACKEND:
         endpoint = rdzv_db.endpoint(run_dir / "rendezvous.db")
         rdzv_db.purge(run_dir / "rendezvous.db", rendezvous_id(spec.tenant, dag_id, run_id))
@@ -93,8 +95,9 @@ def stop_agents(procs: list[subprocess.Popen]) -> None:
 
 @contextlib.contextmanager
 def gang(spec: TrainingSpec, run_dir: Path) -> Iterator[list[subprocess.Popen]]:
-    """Prepare ``run_dir`` and start ``spec``'s node agents; stop whatever still runs on exit."""
-    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=Path(run_dir) / "logs")
+    """Prepare ``run_dir`` and start ``spec``'s node agents (the full gang and its hot
+    spares); stop whatever still runs on exit."""
+    procs = start_agents(prepare(spec, run_dir), spec.max_nodes + spec.spares, log_dir=Path(run_dir) / "logs")
     try:
         yield procs
     finally:

@@ -12,6 +12,7 @@ gradient reduction (per-tensor all-reduce) instead of DDP's order-dependent buck
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -29,6 +30,89 @@ from trainflow.timeline import record
 from trainflow.workspace import write_json_atomic
 
 ABORT_EXIT_CODE = 3
+COMPLETE = "complete.json"
+GROW_ACK = "grow-ack.json"
+GROW_REQUEST_GLOB = "grow-request-*.json"
+# How long a gang that opened a grow window waits for the joining node before it trains on.
+GROW_WINDOW_S = 20.0
+
+
+def data_position(spec: TrainingSpec, ref) -> int:
+    """Samples taken before checkpoint ``ref``'s step: recorded in its manifest since elastic
+    runs exist; older checkpoints were all written at a fixed size (step × global batch)."""
+    extra = manifest.read_manifest(Path(ref.path)) or {}
+    position = (extra.get("extra") or {}).get("position")
+    return int(position) if position is not None else ref.step * spec.global_batch_at(ref.world_size)
+
+
+def membership_change(events: list[dict], members: list[int], world: int, *,
+                      run_dir: Path) -> dict | None:
+    """How this gang differs from the previous one (``gang_start`` events), or None.
+
+    ``change`` is ``shrink``/``grow`` when the world size changed, ``replaced`` when the
+    same number of nodes has other members; a joining node whose agent was already up
+    before the previous gang formed was a standing hot spare (``spare_used``).
+    """
+    previous = [e for e in events if e["event"] == "gang_start" and "nodes" in e]
+    if not previous:
+        return None
+    last = previous[-1]
+    if last["nodes"] == members and last.get("world") == world:
+        return None
+    joined = sorted(set(members) - set(last["nodes"]))
+    spares = []
+    for n in joined:
+        try:
+            status = json.loads((run_dir / "nodes" / f"node-{n:04d}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if float(status.get("started", time.time())) < float(last["time"]):
+            spares.append(n)
+    world_from = int(last.get("world", world))
+    change = ("shrink" if world < world_from else "grow" if world > world_from
+              else "spare_used" if spares else "replaced")
+    return {"change": change, "world_from": world_from, "world_to": world,
+            "nodes_from": last["nodes"], "nodes_to": members, "joined": joined,
+            "left": sorted(set(last["nodes"]) - set(members)), "spares_used": spares}
+
+
+def grow_window(run_dir: Path, spec: TrainingSpec, rank: int, step: int, checkpointer, beat, say) -> None:
+    """Collective, at a checkpoint step of a gang below its full size: if a node asked to
+    join (``control/grow-request-<n>.json``), let the checkpoint of ``step`` commit, tell it
+    (``control/grow-ack.json``) and wait: its agent joins the rendezvous, every agent
+    restarts its workers into the larger gang, and they resume from this very step (no
+    work lost). Trains on if nobody came within ``GROW_WINDOW_S``."""
+    import torch
+    import torch.distributed as dist
+
+    control = run_dir / "control"
+    flag = torch.tensor([1.0 if rank == 0 and any(control.glob(GROW_REQUEST_GLOB)) else 0.0])
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return
+    if checkpointer is not None:
+        checkpointer.wait()
+    dist.barrier()
+    if rank == 0:
+        newest = manifest.list_checkpoints(run_dir / "checkpoints")
+        if not newest or newest[0][0] != step:  # the save failed: growing now would lose work
+            flag.zero_()
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return
+    if rank == 0:
+        write_json_atomic(control / GROW_ACK, {"step": step, "time": time.time()})
+        record(run_dir, "grow_window", step=step)
+        say(f"checkpoint of step {step} committed; waiting up to {GROW_WINDOW_S:.0f}s for joining nodes")
+    beat.set_phase("growing")
+    deadline = time.time() + GROW_WINDOW_S
+    while time.time() < deadline:  # the agents restart us into the larger gang
+        beat.beat(step=step, total=spec.steps, state=RankState.CHECKPOINTING, checkpoint_step=step, force=True)
+        time.sleep(0.2)
+    dist.barrier()
+    if rank == 0:
+        (control / GROW_ACK).unlink(missing_ok=True)
+        say("no node joined in the grow window; training on")
 
 
 def lr_at(spec: TrainingSpec, step: int) -> float:
@@ -114,15 +198,16 @@ def run(run_dir: Path) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from trainflow.checkpoint import dcp
-    from trainflow.data import shard_indices
+    from trainflow.data import indices_at, rank_positions
     from trainflow.faults import FaultInjector
     from trainflow.workloads import load_workload
 
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("TRAINFLOW_NODE", os.environ.get("GROUP_RANK", "0")))
-    if world != spec.world_size:
-        raise RuntimeError(f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}")
+    if not (spec.min_world_size <= world <= spec.world_size and world % spec.nproc_per_node == 0):
+        raise RuntimeError(f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}"
+                           + (f" (at least {spec.min_world_size})" if spec.elastic else ""))
     torch.set_num_threads(1)
     family = get_family(spec.chip)
     if family.extension:
@@ -143,7 +228,7 @@ def run(run_dir: Path) -> int:
         device = torch.device(family.device_type, local_rank)
         torch.get_device_module(family.device_type).set_device(device)
     beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node,
-                           interval=spec.heartbeat_interval)
+                           interval=spec.heartbeat_interval, world=world)
     beat.beat(step=0, total=spec.steps, state=RankState.STARTING, force=True)
     beat.start_pulse()
     dist.init_process_group(backend=family.composite_backend)
@@ -156,16 +241,31 @@ def run(run_dir: Path) -> int:
     ckpt_root = run_dir / "checkpoints"
     thash = spec.training_hash()
 
-    # Rank 0 decides the resume point so every rank loads the same checkpoint.
+    # Rank 0 decides the resume point so every rank loads the same checkpoint. An elastic
+    # gang loads checkpoints of any world size (DCP reshards them on load).
     choice = [None]
+    nodes = [None] * world
+    dist.all_gather_object(nodes, node)
     if rank == 0:
-        ref = manifest.newest_verified(ckpt_root, training_hash=thash, world_size=world)
+        ref = manifest.newest_verified(ckpt_root, training_hash=thash,
+                                       world_size=None if spec.elastic else world)
         choice = [ref.to_dict() if ref else None]
+        if ref is not None:
+            choice[0]["position"] = data_position(spec, ref)
     dist.broadcast_object_list(choice, src=0)
     start = choice[0]["step"] if choice[0] else 0
+    position = choice[0]["position"] if choice[0] else 0
     if rank == 0:
-        earlier = [e for e in timeline.read(run_dir) if e["event"] == "gang_start" and e["step"] == start]
-        record(run_dir, "gang_start", step=start)
+        events = timeline.read(run_dir)
+        earlier = [e for e in events if e["event"] == "gang_start" and e["step"] == start]
+        members = sorted(set(nodes))
+        change = membership_change(events, members, world, run_dir=run_dir)
+        record(run_dir, "gang_start", step=start, world=world, nodes=members)
+        if change is not None:
+            record(run_dir, "membership", step=start, **change)
+            say(f"gang {change['change']}: world {change['world_from']} → {world}, nodes "
+                f"{change['nodes_from']} → {members}, resuming at step {start} "
+                f"(batch policy {spec.batch_policy}, global batch {spec.global_batch_at(world)})")
         if len(earlier) >= spec.crash_loop_limit:
             raise CrashLoopError(f"crash loop: the gang restarted {len(earlier)} times from step {start} "
                                  f"without reaching a newer checkpoint (crash_loop_limit="
@@ -197,12 +297,17 @@ def run(run_dir: Path) -> int:
     n, window_t, window_s = len(workload.train), time.time(), start
     loss_value, samples_per_s, last_ckpt, compute_ewma = float("nan"), 0.0, start, None
     curve_t = 0.0
+    global_batch = spec.global_batch_at(world)
+    samples_log = None
+    if spec.record_samples:
+        (run_dir / "samples").mkdir(exist_ok=True)
+        samples_log = open(run_dir / "samples" / f"rank-{rank:05d}.jsonl", "a", buffering=1)
     for step in range(start, spec.steps):
         torch.manual_seed(step_seed(spec.seed, rank, step))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(spec, step)
-        idx = shard_indices(n=n, seed=spec.seed, step=step, batch_size=spec.batch_size,
-                            world_size=world, rank=rank)
+        mine = rank_positions(position=position, global_batch=global_batch, world_size=world, rank=rank)
+        idx = indices_at(n=n, seed=spec.seed, positions=mine)
         model.train()
         beat.set_phase("forward")
         user_code(rank, injector.before_step, step + 1)
@@ -213,7 +318,14 @@ def run(run_dir: Path) -> int:
         compute_ewma = compute_ms if compute_ewma is None else 0.9 * compute_ewma + 0.1 * compute_ms
         optimizer.zero_grad(set_to_none=True)
         beat.set_phase("backward")  # gradient collectives: where a stuck peer's victims wait
-        loss.backward()
+        # The gradient collectives average over ranks; when the global batch does not split
+        # evenly, weighting each rank's mean loss by its share keeps the step's gradient the
+        # mean over the global batch. Even splits (every fixed-size run) skip it: bits unchanged.
+        weight = len(mine) * world / global_batch
+        (loss * weight if weight != 1 else loss).backward()
+        position += global_batch
+        if samples_log is not None:
+            samples_log.write(json.dumps({"step": step + 1, "world": world, "time": time.time(), "indices": idx}) + "\n")
         if checkpointer is not None:
             checkpointer.before_update()  # an async save copies the state during forward/backward
         optimizer.step()
@@ -238,11 +350,12 @@ def run(run_dir: Path) -> int:
                     # Only rank 0 hears of a committed save; a failed one would have
                     # released the ballast already, so the previous save succeeded.
                     injector.save_finished(last_ckpt, ok=True)
-                checkpointer.save(model, optimizer, step=done)
+                checkpointer.save(model, optimizer, step=done, extra={"position": position})
             else:
                 try:
                     ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
-                                   training_hash=thash, keep_last=spec.keep_last)
+                                   training_hash=thash, keep_last=spec.keep_last,
+                                   extra={"position": position})
                 except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
                     on_error(done, exc)
                 else:
@@ -252,6 +365,8 @@ def run(run_dir: Path) -> int:
             if rank == 0:
                 record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode,
                        stall_ms=round(stall_ms, 3))
+            if spec.elastic and world < spec.world_size and done < spec.steps:
+                grow_window(run_dir, spec, rank, done, checkpointer, beat, say)
         while committed:
             ref = committed.pop(0)
             injector.after_checkpoint(ref.step, Path(ref.path))
@@ -265,6 +380,9 @@ def run(run_dir: Path) -> int:
             injector.after_checkpoint(ref.step, Path(ref.path))
     beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
               samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma, force=True)
+    if rank == 0:  # standing spares and nodes waiting to join end with the run
+        write_json_atomic(run_dir / "control" / COMPLETE, {"step": spec.steps, "time": time.time(),
+                                                         "world": world})
     # Free model, optimizer and data before tearing the group down: workers otherwise
     # hang at exit in a fraction of runs (DESIGN.md §2).
     del model, optimizer, workload
