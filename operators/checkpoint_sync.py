@@ -38,7 +38,7 @@ class CheckpointSyncOperator(BaseOperator):
         plan = load_plan(run_dir)
         spec = TrainingSpec.from_mapping(plan["spec"])
         ref = manifest.newest_verified(run_dir / "checkpoints", training_hash=spec.training_hash(),
-                                       world_size=spec.world_size)
+                                       world_size=None if spec.elastic else spec.world_size)
         if ref is None:
             raise AirflowException(f"no verified checkpoint under {run_dir / 'checkpoints'}")
         manifest.prune(run_dir / "checkpoints", spec.keep_last)

@@ -47,6 +47,11 @@ class EvaluateOperator(BaseOperator):
         plot = progress_plot(Path(self.run_dir))
         built["plots"] = {"progress": str(plot)} if plot else {}
         report = write_report(self.run_dir, built)
+        if built["membership"]:
+            context["ti"].xcom_push(key="membership", value=built["membership"])
+            for m in built["membership"]:
+                self.log.info("gang %s at step %s: world %s → %s, nodes %s → %s", m["change"], m["step"],
+                              m["world_from"], m["world_to"], m["nodes_from"], m["nodes_to"])
         if built.get("goodput"):
             context["ti"].xcom_push(key="goodput", value=built["goodput"])
             for f in built["goodput"]["faults"]:

@@ -14,7 +14,8 @@ class ProvisionOperator(BaseOperator):
     """Validate the run's spec (from the DAG params) and admit its nodes all-or-nothing.
 
     Bad input fails the task at once (no retry) with the field, the value and the fix,
-    before anything is allocated or written. Returns one kwargs dict per node for the
+    before anything is allocated or written. Returns one kwargs dict per slot (the full
+    gang's nodes, then the hot spares; slots beyond the admitted ones wait for capacity) for the
     mapped ``shard_train`` task; pushes ``plan``, ``run_dir`` and ``resume_from``.
 
     :param node_pool: trainflow allocator pool to admit the gang from (not an Airflow pool).
@@ -29,6 +30,7 @@ class ProvisionOperator(BaseOperator):
     def execute(self, context) -> list[dict[str, Any]]:
         from trainflow.checkpoint.manifest import newest_verified
         from trainflow.cluster.allocator import Allocator, embedded_capacity
+        from trainflow.cluster.slots import SlotLeases
         from trainflow.errors import SpecError, TrainingError
         from trainflow.launch.local import prepare
         from trainflow.spec import TrainingSpec
@@ -44,22 +46,28 @@ class ProvisionOperator(BaseOperator):
         allocator = Allocator()
         if self.node_pool == "embedded":
             allocator.set_pool("embedded", embedded_capacity())
+        run_key = f"{spec.tenant}/{dag_id}/{run_id}"
+        slots = spec.max_nodes + spec.spares
         try:
-            lease = allocator.admit(f"{spec.tenant}/{dag_id}/{run_id}", tenant=spec.tenant,
-                                    pool=self.node_pool, nodes=spec.nodes, ttl=self.lease_ttl)
+            # The gang needs min_nodes (and its spares) now; an elastic one takes what more
+            # is free up to its full size, and its other slots wait for capacity.
+            lease = allocator.admit(run_key, tenant=spec.tenant, pool=self.node_pool,
+                                    nodes=spec.min_nodes + spec.spares, up_to=slots, ttl=self.lease_ttl)
         except (SpecError, TrainingError) as exc:
             raise translate(exc) from exc
-        self.log.info("admitted %d nodes of pool %r until %.0f", lease.nodes, lease.pool, lease.expires)
+        self.log.info("admitted %d of %d nodes of pool %r until %.0f", lease.nodes, slots, lease.pool,
+                      lease.expires)
         ws.create()
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
+        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, allocator)
         resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
-                                 world_size=spec.world_size)
+                                 world_size=None if spec.elastic else spec.world_size)
         ti = context["ti"]
         plan = load_plan(ws.dir)
         ti.xcom_push(key="plan", value=plan)
         ti.xcom_push(key="run_dir", value=str(ws.dir))
         ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
-        self.log.info("workspace %s; %d nodes × %d ranks on queue %s; resume from %s",
-                      ws.dir, spec.nodes, spec.nproc_per_node, plan["queue"],
+        self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s",
+                      ws.dir, spec.nodes, spec.spares, spec.nproc_per_node, plan["queue"],
                       f"step {resume.step}" if resume else "scratch")
-        return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(spec.nodes)]
+        return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(slots)]

@@ -57,6 +57,8 @@ class ShardTrainOperator(BaseOperator):
             self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
         if (abort := read_abort(run_dir)) is not None:
             raise RunAbortedError(abort_message(abort))
+        if not self._capacity(run_dir, node):
+            return {"node": node, "released": True, "ranks": [], "step": None}
         attempt = NodeTry(plan, node, try_number)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
@@ -93,6 +95,34 @@ class ShardTrainOperator(BaseOperator):
             "loss": {str(r): b.get("loss") for r, b in sorted(mine.items())},
             "samples_per_s": sum(b.get("samples_per_s", 0.0) for b in mine.values()),
         }
+
+    def _capacity(self, run_dir, node: int) -> bool:
+        """Hold a node of the pool for this slot: True once it does, False if the run
+        completed first (a slot of an elastic gang that never got capacity, or whose lost
+        node never came back). A lost node is given back first (``SlotLeases``)."""
+        import time
+
+        from trainflow.cluster.slots import SlotLeases
+        from trainflow.errors import RunAbortedError
+        from trainflow.remediation import aborted as read_abort
+
+        leases = SlotLeases.open(run_dir)
+        if leases is None:
+            return True
+        if (lost := leases.settle_loss(node)) is not None:
+            self.log.warning("node %d: its node was lost (%s); waiting for capacity", node, lost.get("reason"))
+        said = False
+        while not leases.acquire(node):
+            if (run_dir / "control" / "complete.json").exists():
+                self.log.info("node %d: the run completed before capacity for this node freed", node)
+                return False
+            if (abort := read_abort(run_dir)) is not None:
+                raise RunAbortedError(abort_message(abort))
+            if not said:
+                self.log.info("node %d: no free node in the pool; waiting for capacity", node)
+                said = True
+            time.sleep(1.0)
+        return True
 
     def on_kill(self) -> None:
         if self._agent is not None:

@@ -12,7 +12,9 @@ checkpoint recorded, so within an epoch no sample is skipped or seen twice.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -73,3 +75,35 @@ def rank_positions(*, position: int, global_batch: int, world_size: int, rank: i
         raise ValueError(f"a global batch of {global_batch} cannot feed {world_size} ranks")
     part = split(global_batch, world_size, rank)
     return range(position + part.start, position + part.stop)
+
+
+def sample_lineage(run_dir: Path) -> dict[int, list[int]]:
+    """step → the sample indices the final weights learned from at that step, in rank order,
+    from a run recorded with ``record_samples`` (``samples/rank-<r>.jsonl``).
+
+    A step trained again after a restart (work lost since the last checkpoint, or a gang
+    that changed size) counts as trained by the gang that trained it last: per step, the
+    entries of the world size written last, one per rank, the newest of each.
+
+    Raises:
+        ValueError: a step's last gang is missing a rank's entry (the log is incomplete).
+    """
+    by_step: dict[int, dict[int, dict[int, dict]]] = {}
+    for path in sorted((Path(run_dir) / "samples").glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed worker
+            latest = by_step.setdefault(entry["step"], {}).setdefault(entry["world"], {})
+            if rank not in latest or entry["time"] >= latest[rank]["time"]:
+                latest[rank] = entry
+    out = {}
+    for step, worlds in sorted(by_step.items()):
+        world = max(worlds, key=lambda w: max(e["time"] for e in worlds[w].values()))
+        ranks = worlds[world]
+        if sorted(ranks) != list(range(world)):
+            raise ValueError(f"step {step}: sample log has ranks {sorted(ranks)} of a world of {world}")
+        out[step] = [i for r in sorted(ranks) for i in ranks[r]["indices"]]
+    return out

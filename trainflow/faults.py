@@ -22,6 +22,7 @@ from trainflow.timeline import record
 class FaultKind(str, enum.Enum):
     KILL_RANK = "kill_rank"            # SIGKILL the rank's worker process (process fault)
     KILL_NODE = "kill_node"            # SIGKILL the node's shard_train task (or agent) and its tree
+    LOSE_NODE = "lose_node"            # kill_node, and the node's host is gone for `seconds` (0: for good)
     STOP_RANK = "stop_rank"            # SIGSTOP the rank (a hang: alive but no progress)
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest checkpoint, then kill the rank
     RAISE = "raise"                    # a deterministic user bug: ValueError in the workload
@@ -31,7 +32,7 @@ class FaultKind(str, enum.Enum):
     DELAY_HEARTBEATS = "delay_heartbeats"  # the rank trains on but withholds heartbeats for `seconds`
 
 
-ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT,
+ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.LOSE_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT,
         FaultKind.FILL_DISK, FaultKind.DELAY_HEARTBEATS}
 # Bytes left free by fill_disk: less than any checkpoint, so the next save hits ENOSPC.
 FILL_LEAVE_BYTES = 4096
@@ -44,7 +45,8 @@ FILL_MAX_BYTES = 4 << 30
 class Fault:
     """One scheduled fault: ``kind`` fires when ``rank`` reaches ``step``.
 
-    ``seconds`` is the duration of a ``delay_heartbeats`` fault (unused by the others).
+    ``seconds`` is the duration of a ``delay_heartbeats`` fault, and how long a
+    ``lose_node`` fault's node stays gone (0: for good); unused by the others.
     """
 
     kind: FaultKind
@@ -114,9 +116,9 @@ def parse_faults(value: Iterable[Any], *, world_size: int, steps: int) -> tuple[
         if kind == FaultKind.DELAY_HEARTBEATS and not seconds:
             raise SpecError(f"faults[{i}].seconds", seconds,
                             "delay_heartbeats needs seconds > 0: how long the heartbeats are withheld")
-        if kind != FaultKind.DELAY_HEARTBEATS and seconds:
+        if kind not in (FaultKind.DELAY_HEARTBEATS, FaultKind.LOSE_NODE) and seconds:
             raise SpecError(f"faults[{i}].seconds", seconds,
-                            f"only delay_heartbeats takes seconds; drop it for {kind.value}")
+                            f"only delay_heartbeats and lose_node take seconds; drop it for {kind.value}")
         out.append(Fault(kind=kind, step=step, rank=rank, seconds=float(seconds)))
     return tuple(out)
 
@@ -204,7 +206,13 @@ class FaultInjector:
                 import time
 
                 self.heartbeat.mute(until=time.time() + fault.seconds)
-            elif fault.kind == FaultKind.KILL_NODE:
+            elif fault.kind in (FaultKind.KILL_NODE, FaultKind.LOSE_NODE):
+                if fault.kind == FaultKind.LOSE_NODE:
+                    from trainflow.cluster.slots import mark_lost
+
+                    node = int(os.environ.get("TRAINFLOW_NODE", "-1"))
+                    mark_lost(self.run_dir, node, seconds=fault.seconds,
+                              reason=f"lose_node fault at step {step} (rank {self.rank})")
                 # The node task's process under Airflow, else the agent; the rest of the
                 # tree follows through PDEATHSIG.
                 target = int(os.environ.get("TRAINFLOW_NODE_TASK_PID") or

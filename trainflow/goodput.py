@@ -15,17 +15,27 @@ NO_RESTART = {"fill_disk", "slow_rank", "delay_heartbeats"}
 
 
 def fault_records(events: list[dict]) -> list[dict]:
-    """Pair each fault (injected or detected) with the next resume after it."""
+    """Pair each fault (injected or detected) and each grow window with the next resume
+    after it; a membership change at that resume (shrink, grow, spare used) is attached."""
     out: list[dict] = []
     for e in events:
-        if e["event"] in ("fault_injected", "stall_detected", "user_error", "straggler_excluded"):
+        if e["event"] == "membership":
+            # the gang that resumed has other members: say so on the record it ended
+            resumed = [rec for rec in out if rec.get("resumed_time", 0) <= e["time"] and "membership" not in rec]
+            if resumed:
+                resumed[-1]["membership"] = {k: e[k] for k in ("change", "world_from", "world_to", "joined", "left")
+                                             if k in e}
+            continue
+        if e["event"] in ("fault_injected", "stall_detected", "user_error", "straggler_excluded",
+                          "grow_window"):
             if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1] \
                     and out[-1]["kind"] not in ("fill_disk", "slow_rank"):
                 out[-1]["detected_time"] = e["time"]  # the watch detected the injected fault
                 out[-1]["detection_s"] = round(e["time"] - out[-1]["time"], 3)
                 out[-1]["restarts"] = True
                 continue
-            kind = e["event"] if e["event"] == "straggler_excluded" else e.get("kind", e["event"])
+            kind = ("grow" if e["event"] == "grow_window" else e["event"] if e["event"] == "straggler_excluded"
+                    else e.get("kind", e["event"]))
             out.append({"kind": kind, "time": e["time"], "step": e.get("step"),
                         "restarts": kind not in NO_RESTART,
                         **({"detected_time": e["time"], "detection_s": 0.0}
@@ -47,11 +57,15 @@ def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dic
     goodput = 1 − (time spent recovering + time spent redoing lost steps) / wall time,
     with the step time taken from the run itself.
     """
-    faults = fault_records(timeline.read(run_dir))
+    events = timeline.read(run_dir)
+    faults = fault_records(events)
     wall = max(ended - started, 1e-9)
     recovering = sum(f.get("recovery_s", 0.0) for f in faults)
     lost = sum(f.get("steps_lost", 0) for f in faults)
     step_time = max(wall - recovering, 0.0) / max(steps + lost, 1)
     wasted = recovering + lost * step_time
-    return {"faults": faults, "wall_s": round(wall, 3), "recovery_s": round(recovering, 3),
+    return {"faults": faults, "membership": [
+                {k: e[k] for k in ("time", "step", "change", "world_from", "world_to", "joined", "left", "spares_used")
+                 if k in e} for e in events if e["event"] == "membership"],
+            "wall_s": round(wall, 3), "recovery_s": round(recovering, 3),
             "steps_lost": lost, "goodput": round(max(0.0, 1 - wasted / wall), 4)}

@@ -8,7 +8,8 @@ from trainflow import timeline
 
 _MARKS = {"fault_injected": ("tab:red", "fault"), "stall_detected": ("tab:orange", "detected"),
           "resumed": ("tab:green", "resumed"), "user_error": ("black", "user error"),
-          "crash_loop": ("black", "crash loop"), "checkpoint_failed": ("tab:purple", "save failed")}
+          "crash_loop": ("black", "crash loop"), "checkpoint_failed": ("tab:purple", "save failed"),
+          "membership": ("tab:blue", "gang size/members changed"), "grow_window": ("tab:cyan", "grow window")}
 
 
 def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:

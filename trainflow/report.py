@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.goodput import summarize
-from trainflow.heartbeat import read_all
+from trainflow.heartbeat import current_gang, read_all
 from trainflow.timeline import read as timeline_read
 from trainflow.workspace import write_json_atomic
 
@@ -17,6 +17,7 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
     run_dir = Path(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     beats = read_all(run_dir / "heartbeats")
+    events = timeline_read(run_dir)
     nodes = {}
     for p in sorted((run_dir / "nodes").glob("node-*.json")):
         status = json.loads(p.read_text())
@@ -38,11 +39,13 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
         "queue": plan["queue"],
         "nodes": nodes,
         "ranks": {str(r): {k: b.get(k) for k in ("node", "step", "loss", "samples_per_s", "state")}
-                  for r, b in sorted(beats.items())},
+                  for r, b in sorted(current_gang(beats, plan["world_size"])[0].items())},
         "checkpoint": checkpoint,
         "metrics": metrics,
         "stragglers": [{k: v for k, v in e.items() if k != "event"}
-                       for e in timeline_read(run_dir) if e["event"] == "straggler"],
+                       for e in events if e["event"] == "straggler"],
+        "membership": [{k: v for k, v in e.items() if k != "event"}
+                       for e in events if e["event"] == "membership"],
         "errors": [{k: e.get(k) for k in ("rank", "type", "message")} for e in errors],
     }
 

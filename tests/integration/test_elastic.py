@@ -11,14 +11,12 @@ evaluation stays within a stated tolerance of the clean run's.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from trainflow.checkpoint import manifest
-from trainflow.data import indices_at
+from trainflow.data import indices_at, sample_lineage
 from trainflow.launch.local import kill_tree, prepare, run_local, start_agent
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
@@ -59,35 +57,15 @@ def _events(run_dir: Path, name: str) -> list[dict]:
     return [e for e in read_timeline(run_dir) if e["event"] == name]
 
 
-def lineage(run_dir: Path) -> dict[int, list[int]]:
-    """step → the sample indices of the step that the final weights descend from, in rank
-    order: per step, the entries of the gang that trained it last (redone steps replace
-    what a lost gang trained after its last checkpoint)."""
-    by_step: dict[int, dict] = {}
-    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
-        rank = int(path.stem.split("-")[1])
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            by_step.setdefault(entry["step"], {}).setdefault(entry["world"], {}).setdefault(rank, []).append(entry)
-    out = {}
-    for step, worlds in by_step.items():
-        latest = max(worlds, key=lambda w: max(e["time"] for es in worlds[w].values() for e in es))
-        ranks = worlds[latest]
-        assert sorted(ranks) == list(range(latest)), f"step {step}: ranks {sorted(ranks)} of world {latest}"
-        out[step] = [i for r in sorted(ranks) for i in ranks[r][-1]["indices"]]
-    return out
-
-
 def _assert_exact_coverage(run_dir: Path, spec: TrainingSpec, n: int) -> None:
-    """Every step trained exactly the global batch a clean run trains at that step, so every
-    epoch's samples were each seen once, none skipped."""
-    steps = lineage(run_dir)
+    """The steps the final weights descend from trained, in order, exactly the sample
+    sequence of a clean run (so within every epoch each sample once, none skipped), and
+    each step the global batch of a clean run's step."""
+    steps = sample_lineage(run_dir)
     assert sorted(steps) == list(range(1, spec.steps + 1))
-    g = spec.global_batch_size
-    for step, indices in steps.items():
-        assert indices == indices_at(n=n, seed=spec.seed, positions=range((step - 1) * g, step * g)), step
-    seen = [i for s in sorted(steps) for i in steps[s]][: n]  # the first epoch, whole
-    assert len(seen) < n or sorted(seen) == list(range(n))
+    flat = [i for s in sorted(steps) for i in steps[s]]
+    assert flat == indices_at(n=n, seed=spec.seed, positions=range(len(flat)))
+    assert {len(v) for v in steps.values()} == {spec.global_batch_size}  # keep_global
 
 
 def test_hot_spare_replaces_a_lost_node_bit_identical(tmp_path, agents):

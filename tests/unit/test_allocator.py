@@ -38,3 +38,45 @@ def test_requests_that_never_fit_are_refused_with_numbers(alloc):
         alloc.admit("big", tenant="t", pool="cpu", nodes=5, ttl=10)
     with pytest.raises(SpecError, match="unknown pool; known pools: cpu"):
         alloc.admit("x", tenant="t", pool="gpu", nodes=1, ttl=10)
+
+
+def test_elastic_admission_takes_what_is_free_up_to_the_full_size(alloc):
+    alloc.admit("other", tenant="t", pool="cpu", nodes=1, ttl=60, now=0)
+    lease = alloc.admit("elastic", tenant="t", pool="cpu", nodes=2, up_to=4, ttl=60, now=0)
+    assert lease.nodes == 3  # 1 of 4 taken: min 2 granted, one more free
+    assert not alloc.grow("elastic", now=1)
+    alloc.release("other")
+    assert alloc.grow("elastic", now=2) and not alloc.grow("elastic", now=2)
+    assert {l.run_key: l.nodes for l in alloc.leases(now=2)} == {"elastic": 4}
+    with pytest.raises(AdmissionError, match="1 nodes asked, 0 of 4 free"):
+        alloc.admit("late", tenant="t", pool="cpu", nodes=1, ttl=60, now=3)
+
+
+def test_a_lost_node_leaves_the_lease_and_the_pool_until_it_returns(alloc):
+    alloc.admit("r", tenant="t", pool="cpu", nodes=4, ttl=600, now=0)
+    alloc.lose_node("r", until=100, reason="host gone")
+    assert {l.run_key: l.nodes for l in alloc.leases(now=1)} == {"r": 3}
+    assert alloc.offline("cpu", now=1) == 1
+    assert not alloc.grow("r", now=50)  # 3 leased + 1 offline: nothing free
+    assert alloc.grow("r", now=101)  # the node is back
+    assert alloc.offline("cpu", now=101) == 0
+    assert not alloc.grow("unknown-run", now=101)
+    alloc.lose_node("r", until=float("inf"), reason="for good")
+    assert alloc.offline("cpu", now=1e9) == 1
+    alloc.release("r")  # a run's lost nodes count no longer once it ends
+    assert alloc.offline("cpu", now=1e9) == 0
+
+
+def test_slots_hold_give_back_and_acquire(tmp_path, alloc):
+    from trainflow.cluster.slots import SlotLeases, mark_lost
+
+    alloc.admit("r", tenant="t", pool="cpu", nodes=2, up_to=3, ttl=600)
+    leases = SlotLeases.create(tmp_path, "r", "cpu", 3, alloc)
+    assert [leases.holds(n) for n in range(4)] == [True, True, True, False]
+    opened = SlotLeases.open(tmp_path, alloc)
+    assert opened.acquire(3)  # the 4th node of the pool
+    assert SlotLeases.open(tmp_path / "elsewhere") is None
+    mark_lost(tmp_path, 1, seconds=0, reason="test")
+    assert opened.settle_loss(1)["reason"] == "test" and opened.settle_loss(1) is None
+    assert not opened.holds(1) and not opened.acquire(1)  # lost for good: no capacity
+    assert alloc.offline("cpu") == 1

@@ -127,3 +127,17 @@ def test_pulse_keeps_liveness_fresh_while_progress_stands_still(tmp_path):
     b = json.loads((tmp_path / "rank-00000.json").read_text())
     assert b["step"] == 7 and b["phase"] == "backward"
     assert b["alive"] - b["progress_time"] > 0.15  # pulsing, not progressing
+
+
+def test_a_shrunk_gang_is_judged_by_its_own_ranks():
+    """Rank 2 of a 3-rank gang stays behind as a stale file once the gang shrank to 2; the
+    newest worker's world size decides which ranks count."""
+    old = {r: {**beat(r, 70, progress=100), "world": 3, "started": 10} for r in range(3)}
+    new = {r: {**beat(r, 90, progress=200), "world": 2, "started": 150} for r in range(2)}
+    c = classify({**old, **new}, now=205, world_size=3, started_at=90, policy=POLICY)
+    assert c.verdict == Verdict.HEALTHY and "2 ranks progressing" in c.message
+    # halfway through the restart: rank 1 still carries the old gang's beat → missing
+    c = classify({**old, 0: new[0]}, now=160, world_size=3, started_at=150, policy=POLICY)
+    assert c.verdict == Verdict.WAITING and c.ranks == (1,)
+    done = {r: {**beat(r, 99, "done", 300), "world": 2, "started": 150} for r in range(2)}
+    assert classify({**old, **done}, now=400, world_size=3, started_at=0, policy=POLICY).verdict == Verdict.COMPLETE

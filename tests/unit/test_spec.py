@@ -87,3 +87,10 @@ def test_param_schema_mirrors_spec_rules():
 def test_param_schema_rejects_bad_dag_defaults():
     with pytest.raises(SpecError):
         param_schema({"nodes": 0})
+
+
+def test_elastic_gangs_need_a_heartbeat_timeout_beyond_the_shrink_grace():
+    with pytest.raises(SpecError, match="shrink_grace \\+ 10 s \\(40\\)"):
+        TrainingSpec(nodes="2:3", shrink_grace=30, heartbeat_timeout=35)
+    TrainingSpec(nodes="2:3", shrink_grace=30, heartbeat_timeout=40)
+    TrainingSpec(nodes=3, shrink_grace=30, heartbeat_timeout=35)  # fixed size: no shrinking

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,9 @@ CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, nodes INTEGER NOT NULL)
 CREATE TABLE IF NOT EXISTS leases (
     run_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, pool TEXT NOT NULL,
     nodes INTEGER NOT NULL, granted REAL NOT NULL, expires REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS offline (
+    pool TEXT NOT NULL, run_key TEXT NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL
 );
 """
 
@@ -75,46 +78,99 @@ class Allocator(StateDB):
                         (name, nodes))
 
     def admit(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
-              now: float | None = None) -> Lease:
-        """Grant ``nodes`` of ``pool`` to ``run_key`` all-or-nothing (idempotent per run).
+              up_to: int | None = None, now: float | None = None) -> Lease:
+        """Grant ``nodes`` of ``pool`` to ``run_key`` all-or-nothing (idempotent per run);
+        with ``up_to``, as many more as are free, up to ``up_to`` in all (an elastic gang).
 
         Raises:
             SpecError: the pool is unknown or smaller than the request (it would never fit).
             AdmissionError: not enough free nodes right now.
         """
         now = time.time() if now is None else now
+        up_to = max(nodes, up_to or nodes)
+        with self._transaction() as con:
+            capacity = self._capacity(con, pool)
+            if nodes > capacity:
+                raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
+                                f"ask for at most {capacity}")
+            con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+            mine = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()
+            if mine is None:
+                free = capacity - self._offline(con, pool, now) - self._used(con, pool)
+                if free < nodes:
+                    raise AdmissionError(f"pool {pool!r}: {nodes} nodes asked, {max(free, 0)} of "
+                                         f"{capacity} free")
+                granted = min(free, up_to)
+                con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
+                            (run_key, tenant, pool, granted, now, now + ttl))
+            else:
+                granted = mine[0]
+                con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
+        return Lease(run_key, tenant, pool, granted, now, now + ttl)
+
+    def grow(self, run_key: str, *, by: int = 1, now: float | None = None) -> bool:
+        """Add ``by`` nodes to the run's lease if they are free now; False otherwise (or if
+        the run holds no lease)."""
+        now = time.time() if now is None else now
+        with self._transaction() as con:
+            row = con.execute("SELECT pool FROM leases WHERE run_key=? AND expires >= ?",
+                              (run_key, now)).fetchone()
+            if row is None:
+                return False
+            pool = row[0]
+            free = self._capacity(con, pool) - self._offline(con, pool, now) - self._used(con, pool)
+            if free < by:
+                return False
+            con.execute("UPDATE leases SET nodes = nodes + ? WHERE run_key=?", (by, run_key))
+            return True
+
+    def lose_node(self, run_key: str, *, until: float, reason: str) -> None:
+        """One node of the run's lease is gone (its host failed): the lease shrinks by one
+        and the pool counts the node offline until ``until`` or the run's ``release``,
+        whichever comes first (past that, the pool's size is its operator's to set)."""
+        with self._transaction() as con:
+            row = con.execute("SELECT pool FROM leases WHERE run_key=?", (run_key,)).fetchone()
+            if row is None:
+                return
+            con.execute("UPDATE leases SET nodes = MAX(nodes - 1, 0) WHERE run_key=?", (run_key,))
+            con.execute("INSERT INTO offline VALUES (?, ?, ?, ?)", (row[0], run_key, until, reason))
+
+    def offline(self, pool: str, now: float | None = None) -> int:
+        """Nodes of ``pool`` counted offline now."""
+        with closing(self._connect()) as con:
+            return self._offline(con, pool, time.time() if now is None else now)
+
+    @contextmanager
+    def _transaction(self):
         with closing(self._connect()) as con:
             con.execute("BEGIN IMMEDIATE")
             try:
-                row = con.execute("SELECT nodes FROM pools WHERE name=?", (pool,)).fetchone()
-                if row is None:
-                    known = [r[0] for r in con.execute("SELECT name FROM pools ORDER BY name")]
-                    raise SpecError("pool", pool, f"unknown pool; known pools: {', '.join(known) or 'none'}")
-                capacity = row[0]
-                if nodes > capacity:
-                    raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
-                                    f"ask for at most {capacity}")
-                con.execute("DELETE FROM leases WHERE expires < ?", (now,))
-                mine = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()
-                if mine is None:
-                    used = con.execute("SELECT COALESCE(SUM(nodes), 0) FROM leases WHERE pool=?",
-                                       (pool,)).fetchone()[0]
-                    if used + nodes > capacity:
-                        raise AdmissionError(f"pool {pool!r}: {nodes} nodes asked, "
-                                             f"{capacity - used} of {capacity} free")
-                    con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
-                                (run_key, tenant, pool, nodes, now, now + ttl))
-                else:
-                    con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
+                yield con
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
-        return Lease(run_key, tenant, pool, nodes, now, now + ttl)
+
+    @staticmethod
+    def _capacity(con, pool: str) -> int:
+        row = con.execute("SELECT nodes FROM pools WHERE name=?", (pool,)).fetchone()
+        if row is None:
+            known = [r[0] for r in con.execute("SELECT name FROM pools ORDER BY name")]
+            raise SpecError("pool", pool, f"unknown pool; known pools: {', '.join(known) or 'none'}")
+        return row[0]
+
+    @staticmethod
+    def _used(con, pool: str) -> int:
+        return con.execute("SELECT COALESCE(SUM(nodes), 0) FROM leases WHERE pool=?", (pool,)).fetchone()[0]
+
+    @staticmethod
+    def _offline(con, pool: str, now: float) -> int:
+        return con.execute("SELECT COUNT(*) FROM offline WHERE pool=? AND until > ?", (pool, now)).fetchone()[0]
 
     def release(self, run_key: str) -> bool:
-        """Free the run's lease; True if there was one."""
-        with closing(self._connect()) as con:
+        """Free the run's lease (and the nodes it lost, ``lose_node``); True if there was one."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM offline WHERE run_key=?", (run_key,))
             return con.execute("DELETE FROM leases WHERE run_key=?", (run_key,)).rowcount > 0
 
     def leases(self, pool: str | None = None, now: float | None = None) -> list[Lease]:

@@ -322,6 +322,12 @@ def run(plan_path: Path, node: int) -> int:
     worker = ("-u", "-m", "trainflow.worker.train")
     if warm_starts(plan):
         worker = start_zygote(plan, node)
+    if gang_below_full_size(plan, node, now=time.time()):
+        # Ask to join only once this node's workers can start warm: the gang pauses for us.
+        if "TRAINFLOW_ZYGOTE_SOCKET" in os.environ:
+            from trainflow.launch import zygote
+
+            zygote.wait_ready(os.environ["TRAINFLOW_ZYGOTE_SOCKET"], int(os.environ["TRAINFLOW_ZYGOTE_PID"]))
     if gang_below_full_size(plan, node, now=time.time()) and await_grow_window(plan, node) == "complete":
         write_json_atomic(status_file, {"node": node, "state": "released", "pid": os.getpid(),
                                         "started": started, "ended": time.time()})

@@ -282,6 +282,17 @@ def _connect(path: str, zygote_pid: int) -> socket.socket | None:
             time.sleep(0.01)
 
 
+def wait_ready(path: str, zygote_pid: int, timeout: float = READY_WAIT_S) -> bool:
+    """Block until the zygote at ``path`` serves (its socket appears once it has imported
+    the training stack); False if it died or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if not _alive(zygote_pid) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return False
