@@ -33,6 +33,8 @@ _DESCRIBE = {
     "crash_loop": "STOPPED   {message}",
     "user_error": "USER BUG  rank {rank}: {message} (run aborted, no retries)",
     "straggler": "STRAGGLER rank {rank} computes {compute_ms} ms/step vs peers' {median_ms} ms",
+    "membership": "MEMBERS   gang {change} at step {step}: world {world_from} → {world_to}, "
+                  "nodes {nodes_from} → {nodes_to}",
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from trainflow.data import indices_at, sample_lineage
-from trainflow.launch.local import kill_tree, prepare, run_local, start_agent
+from trainflow.launch.local import prepare, run_local, start_agent
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
 from trainflow.worker.evaluate import evaluate
@@ -27,16 +27,6 @@ BASE = dict(workload="digits", steps=200, batch_size=16, checkpoint_interval=20,
 # A shrunk gang trains the same samples per step (keep_global) but sums the gradients of
 # fewer ranks in another order: the weights differ in the last bits, then drift slightly.
 ACCURACY_TOLERANCE = 0.02
-
-
-@pytest.fixture
-def agents():
-    procs = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            kill_tree(p)
-        p.wait()
 
 
 def _wait(predicate, timeout: float = 300, what: str = "condition"):

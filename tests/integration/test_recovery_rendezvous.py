@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainflow.launch.local import kill_tree, prepare, run_local, start_agent
+from trainflow.launch.local import prepare, run_local, start_agent
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
 from trainflow.worker.evaluate import evaluate
@@ -40,16 +40,6 @@ def _wait_for_store(endpoint: str, timeout: float = 180) -> None:
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"no rendezvous store at {endpoint} after {timeout}s")
-
-
-@pytest.fixture
-def agents():
-    """Agents a test starts (appended to this list), their trees killed at the end."""
-    procs = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            kill_tree(p)
 
 
 def _resumed(run_dir: Path) -> list[dict]:

@@ -278,9 +278,14 @@ def run(run_dir: Path) -> int:
 
     committed: list = []
 
+    save_started: dict[int, float] = {}
+
     def on_commit(ref) -> None:
         committed.append(ref)
         injector.save_finished(ref.step, ok=True)
+        if ref.step in save_started:  # rank 0: how far the newest verified checkpoint lagged
+            record(run_dir, "checkpoint_committed", step=ref.step,
+                   latency_s=round(time.time() - save_started.pop(ref.step), 3))
 
     def on_error(step: int, exc: BaseException) -> None:
         error = save_error(exc)
@@ -345,6 +350,8 @@ def run(run_dir: Path) -> int:
             beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
                       checkpoint_step=last_ckpt, force=True)
             t_save = time.perf_counter()
+            if rank == 0:
+                save_started[done] = time.time()
             if checkpointer is not None:
                 if injector.ballast_outlived(last_ckpt) and checkpointer.wait():
                     # Only rank 0 hears of a committed save; a failed one would have
