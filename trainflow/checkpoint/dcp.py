@@ -14,6 +14,8 @@ DCP's planning, metadata and file layout are kept; the storage layer is ours
 - Each rank hashes its file from the buffers it writes, in a second thread that runs
   while the first waits in ``fsync``, and DCP's gather of write results brings every
   digest to rank 0: the manifest commit no longer reads the checkpoint back (twice).
+- Data files are written with ``O_DIRECT`` where the filesystem allows it (no page cache
+  growth, no kernel copy: ``_write_direct``).
 - Replicated tensors are split between ranks before staging (``_share``): DCP would
   write each once anyway, but only after every rank had copied all of them.
 - Loads skip DCP's plan exchange and sync saves delete old checkpoints in the
@@ -108,6 +110,8 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
 
     A second thread hashes the same buffers while this one writes and then waits in
     ``fsync``, so the digest costs no extra pass over the file and overlaps the flush.
+    The bytes go to the disk with ``O_DIRECT`` where the filesystem allows it
+    (``_write_direct``), else through the page cache.
     """
     h = hashlib.sha256()
     pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,20 +122,93 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
 
     hasher = threading.Thread(target=digest, name="trainflow-ckpt-sha256")
     hasher.start()
-    size = 0
     try:
-        with open(path, "wb", buffering=0) as fh:
-            for buf in buffers:
-                pending.put(buf)
-                done = 0
-                while done < len(buf):  # write() may be partial for very large buffers
-                    done += fh.write(buf[done:])
-                size += done
-            os.fsync(fh.fileno())
+        for buf in buffers:
+            pending.put(buf)
+        size = _write_direct(path, buffers)
+        if size is None:
+            size = _write_buffered(path, buffers)
     finally:
         pending.put(None)
         hasher.join()
     return size, h.hexdigest()
+
+
+def _write_buffered(path: Path, buffers: list[memoryview]) -> int:
+    size = 0
+    with open(path, "wb", buffering=0) as fh:
+        for buf in buffers:
+            done = 0
+            while done < len(buf):  # write() may be partial for very large buffers
+                done += fh.write(buf[done:])
+            size += done
+        os.fsync(fh.fileno())
+    return size
+
+
+_ALIGN = 4096
+_BOUNCE_BYTES = 8 << 20
+_bounce = threading.local()
+
+
+def _write_direct(path: Path, buffers: list[memoryview]) -> int | None:
+    """Write ``buffers`` to ``path`` with ``O_DIRECT`` through a reused, page-aligned 8 MiB
+    buffer, then trim the padding of the last block and fsync; None where the platform or
+    filesystem does not take ``O_DIRECT`` (tmpfs: EINVAL), for a buffered write instead.
+
+    Why: a checkpoint is written once and read only at a resume, yet a buffered write
+    copies it into page cache that grows by the checkpoint's size each save (the kept
+    checkpoints stay cached). Measured on these VMs, whose memory the host reclaims, that
+    growth cost 1.2–2.5 s and ~1.5 s of kernel CPU per 145 MB file, on the cores training
+    uses; the same file with O_DIRECT: 0.12–0.15 s and ~0.01 s of CPU.
+    """
+    import errno
+    import mmap
+
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+    bounce = getattr(_bounce, "buf", None)
+    if bounce is None:
+        bounce = _bounce.buf = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # page-aligned
+    size = filled = 0
+    try:
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            pos = 0
+            while pos < len(view):
+                k = min(len(bounce) - filled, len(view) - pos)
+                bounce[filled:filled + k] = view[pos:pos + k]
+                filled, pos = filled + k, pos + k
+                if filled == len(bounce):
+                    _write_all(fd, bounce)
+                    filled = 0
+            size += len(view)
+        if filled:
+            padded = -(-filled // _ALIGN) * _ALIGN
+            bounce[filled:padded] = bytes(padded - filled)
+            _write_all(fd, bounce[:padded])
+            os.ftruncate(fd, size)
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # a filesystem that opens with O_DIRECT but will not write so
+            return None
+        raise
+    finally:
+        os.close(fd)
+    return size
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
 
 
 class _Written(list):
