@@ -135,15 +135,11 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
 
 
 def _write_buffered(path: Path, buffers: list[memoryview]) -> int:
-    size = 0
     with open(path, "wb", buffering=0) as fh:
         for buf in buffers:
-            done = 0
-            while done < len(buf):  # write() may be partial for very large buffers
-                done += fh.write(buf[done:])
-            size += done
+            _write_all(fh.fileno(), buf)
         os.fsync(fh.fileno())
-    return size
+    return sum(len(buf) for buf in buffers)
 
 
 _ALIGN = 4096
@@ -206,6 +202,7 @@ def _write_direct(path: Path, buffers: list[memoryview]) -> int | None:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until all of ``data`` is written (a write may be partial)."""
     done = 0
     while done < len(data):
         done += os.write(fd, data[done:])
