@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 from airflow.sdk import DAG, Asset, ExceptionRetryPolicy, Param, RetryAction, RetryRule
 
-from trainflow.chips.registry import queue_for
 from trainflow.spec import TrainingSpec, param_schema
 
 
@@ -69,7 +68,7 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         provision = ProvisionOperator(task_id="provision", retries=2,
                                       retry_delay=timedelta(seconds=5), node_pool=node_pool)
         shards = ShardTrainOperator.partial(
-            task_id="shard_train", queue=queue_for(spec.chip), retries=10,
+            task_id="shard_train", queue=spec.queue, retries=10,
             retry_delay=timedelta(seconds=2), retry_policy=NODE_RETRY_POLICY,
         ).expand_kwargs(provision.output)
         watch = HeartbeatSensor(task_id="heartbeat_watch", retries=0)

@@ -30,9 +30,11 @@ class ProvisionOperator(BaseOperator):
     def execute(self, context) -> list[dict[str, Any]]:
         from trainflow.checkpoint.manifest import newest_verified
         from trainflow.cluster.allocator import Allocator, embedded_capacity
+        from trainflow.cluster.hosts import HostRegistry
         from trainflow.cluster.slots import SlotLeases
         from trainflow.errors import SpecError, TrainingError
         from trainflow.launch.local import prepare
+        from trainflow.plan import check_devices
         from trainflow.spec import TrainingSpec
         from trainflow.workspace import Workspace, default_root
 
@@ -40,6 +42,7 @@ class ProvisionOperator(BaseOperator):
         try:
             spec = TrainingSpec.from_mapping(dict(context["params"]))
             ws = Workspace(default_root(), spec.tenant, dag_id, run_id)
+            check_devices(spec, HostRegistry().inventory(spec.queue))
         except SpecError as exc:
             raise translate(exc) from exc
         self.log.info("spec: %s", spec.to_json())

@@ -59,6 +59,8 @@ class ShardTrainOperator(BaseOperator):
             raise RunAbortedError(abort_message(abort))
         if not self._capacity(run_dir, node):
             return {"node": node, "released": True, "ranks": [], "step": None}
+        if spec.get("launcher") == "kubernetes":
+            return self._run_pod(context, plan, node, try_number)
         attempt = NodeTry(plan, node, try_number)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
@@ -96,6 +98,21 @@ class ShardTrainOperator(BaseOperator):
             "samples_per_s": sum(b.get("samples_per_s", 0.0) for b in mine.values()),
         }
 
+    def _run_pod(self, context, plan: dict, node: int, try_number: int) -> dict[str, Any]:
+        """Run the node as a pod; its agent does the preflight on the chip host."""
+        from operators._k8s import pod_operator
+        from trainflow.cluster.hosts import CordonPolicy, HostRegistry
+        from trainflow.launch.k8s import build_pod
+
+        cordoned = [h["host"] for h in HostRegistry().hosts(policy=CordonPolicy.from_env()) if h["cordoned"]]
+        pod = build_pod(plan, node, try_number=try_number, cordoned=cordoned, plan_path=self.plan_path)
+        self.log.info("node %d: pod %s/%s on %s (%s)", node, pod["metadata"]["namespace"],
+                      pod["metadata"]["name"], plan["queue"], pod["spec"]["containers"][0]["image"])
+        self._pod = pod_operator(pod, task_id=f"{self.task_id}_pod",
+                                 startup_timeout_s=int(plan["spec"]["startup_timeout"]))
+        self._pod.execute(context)
+        return {"node": node, "pod": pod["metadata"]["name"], "ranks": [], "step": None}
+
     def _capacity(self, run_dir, node: int) -> bool:
         """Hold a node of the pool for this slot: True once it does, False if the run
         completed first (a slot of an elastic gang that never got capacity, or whose lost
@@ -127,3 +144,5 @@ class ShardTrainOperator(BaseOperator):
     def on_kill(self) -> None:
         if self._agent is not None:
             self._agent.kill()
+        if getattr(self, "_pod", None) is not None:
+            self._pod.on_kill()  # deletes the pod

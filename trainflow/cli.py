@@ -6,6 +6,10 @@
     trainflow validate SPEC.json           check a spec; exit 2 with the field, value and fix
     trainflow hosts [--uncordon H | --cordon H --reason R]
                                            host failures and cordons; lift or set one
+    trainflow doctor [--chip F | --queue Q] [--json] [--register]
+                                           this host's chips, health, queue and worker
+                                           command (exit 1: unhealthy)
+    trainflow pods SPEC.json [--node N]    the Kubernetes pods of a run, as YAML (dry run)
 
 Exit codes: 0 success, 1 the run failed, 2 bad input.
 """
@@ -65,6 +69,44 @@ def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
     return 0
 
 
+def doctor(chip: str | None, queue: str | None, model: str | None, as_json: bool, register: bool) -> int:
+    from trainflow.chips.doctor import examine, format_report
+
+    report = examine(explicit=chip, queue=queue, model=model)
+    if register and report["healthy"]:
+        from trainflow.cluster.hosts import HostRegistry, host_name
+
+        HostRegistry().register(host_name(), queue=report["queue"], family=report["family"],
+                                devices=report["devices"] or 0)
+        report["registered"] = host_name()
+    print(json.dumps(report, indent=1) if as_json else format_report(report))
+    return 0 if report["healthy"] else 1
+
+
+def pods(spec_path: str, node: int | None, dag_id: str, run_id: str) -> int:
+    from trainflow.cluster.hosts import HostRegistry
+    from trainflow.launch.k8s import build_pod, to_yaml
+    from trainflow.plan import build_plan
+    from trainflow.workspace import Workspace, default_root
+
+    spec = _spec(spec_path)
+    ws = Workspace(default_root(), spec.tenant, dag_id, run_id)
+    plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(ws.dir),
+                      rdzv_endpoint="trainflow-rdzv:29400", rdzv_backend="c10d")
+    slots = range(len(plan["nodes"])) if node is None else [node]
+    if node is not None and not 0 <= node < len(plan["nodes"]):
+        raise SpecError("--node", node, f"the run has slots 0..{len(plan['nodes']) - 1}")
+    cordoned = [h["host"] for h in HostRegistry().hosts(policy=_policy()) if h["cordoned"]]
+    print(to_yaml([build_pod(plan, i, cordoned=cordoned) for i in slots]), end="")
+    return 0
+
+
+def _policy():
+    from trainflow.cluster.hosts import CordonPolicy
+
+    return CordonPolicy.from_env()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,8 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--uncordon", metavar="HOST")
     g.add_argument("--cordon", metavar="HOST")
     p.add_argument("--reason", default="cordoned by an operator")
+    p = sub.add_parser("doctor", help="this host's chip family, devices, health, queue and worker command")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chip", help="family to check (default: detected)")
+    g.add_argument("--queue", help="queue this host should serve, e.g. ascend-910b")
+    p.add_argument("--model", help="chip model for the queue name (default: the family's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--register", action="store_true",
+                   help="record this host's queue and device count (provision checks nproc_per_node)")
+    p = sub.add_parser("pods", help="print the Kubernetes pods of a run (dry run; applies nothing)")
+    p.add_argument("spec")
+    p.add_argument("--node", type=int, help="only this slot")
+    p.add_argument("--dag-id", default="train_digits")
+    p.add_argument("--run-id", default="manual__dry-run")
     args = parser.parse_args(argv)
     try:
+        if args.command == "doctor":
+            return doctor(args.chip, args.queue, args.model, args.json, args.register)
+        if args.command == "pods":
+            return pods(args.spec, args.node, args.dag_id, args.run_id)
         if args.command == "hosts":
             return hosts(args.uncordon, args.cordon, args.reason)
         if args.command == "validate":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from trainflow.chips.registry import queue_for
+from trainflow.errors import SpecError
 from trainflow.spec import TrainingSpec
 
 
@@ -28,6 +28,30 @@ def rendezvous_poll_interval(nodes: int) -> float:
     100 reads a second, and never longer than torch's own 1 s.
     """
     return min(1.0, max(0.1, nodes / 100))
+
+
+def check_devices(spec: TrainingSpec, inventory: list[dict]) -> list[dict]:
+    """The registered hosts of the spec's queue that can hold one node (``nproc_per_node``
+    devices); refuses the run when hosts are registered and none can (pure).
+
+    ``inventory`` is ``HostRegistry.inventory(spec.queue)`` (``trainflow doctor --register``);
+    with no host registered the node's own preflight counts the devices instead.
+
+    Raises:
+        SpecError: on ``nproc_per_node``, naming the largest host and the fix.
+    """
+    from trainflow.chips.registry import get_family
+
+    if not get_family(spec.chip).has_devices or not inventory:
+        return list(inventory)
+    fit = [h for h in inventory if h["devices"] >= spec.nproc_per_node]
+    if not fit:
+        best = max(inventory, key=lambda h: h["devices"])
+        raise SpecError("nproc_per_node", spec.nproc_per_node,
+                        f"no host of queue {spec.queue!r} has that many devices (the largest, "
+                        f"{best['host']}, has {best['devices']}); use at most {best['devices']}, "
+                        f"or more nodes with fewer ranks each")
+    return fit
 
 
 KEEP_ALIVE_S = 1
@@ -53,7 +77,7 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
     Returns:
         A JSON-serialisable plan; ``plan["nodes"][i]`` describes node i.
     """
-    queue = queue_for(spec.chip)
+    queue = spec.queue
     k = spec.nproc_per_node
     return {
         "dag_id": dag_id,

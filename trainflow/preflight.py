@@ -36,6 +36,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    devices: int | None = None  # chip_health: devices the vendor CLI listed
 
 
 def chip_extension(family) -> None:
@@ -47,8 +48,9 @@ def chip_extension(family) -> None:
 
     if family.extension and importlib.util.find_spec(family.extension) is None:
         raise ChipUnavailableError(
-            f"chip family {family.name!r} needs the {family.extension!r} extension, which is not "
-            f"installed on this worker; install it, or serve queue {queue_for(family.name)!r} "
+            f"chip family {family.name!r} needs the {family.extension!r} extension (pip package "
+            f"{family.package!r}), which is not installed on this worker; install it, or serve "
+            f"queue {queue_for(family.name)!r} "
             f"only from workers that have it")
 
 
@@ -69,7 +71,37 @@ def chip_health(family, *, timeout: float = 30.0) -> Check:
     if done.returncode != 0:
         return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} exited "
                      f"{done.returncode}: {tail}")
-    return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok")
+    devices = listed_devices(family, done.stdout)
+    if devices is None:
+        return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok")
+    sick = [d for d in devices if d.healthy is False]
+    if sick or not devices:
+        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)}: "
+                     + ("lists no devices" if not devices else
+                        "unhealthy devices " + ", ".join(f"{d.index} ({d.detail})" for d in sick)),
+                     devices=len(devices))
+    return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok, "
+                 f"{len(devices)} device(s)", devices=len(devices))
+
+
+def listed_devices(family, text: str):
+    """The devices the family's CLI output lists, or None where it cannot be parsed (an
+    overridden command; the exit status alone then decides)."""
+    from trainflow.chips import parsers
+
+    try:
+        return parsers.parse(family.name, text)
+    except (parsers.ParseError, KeyError):
+        return None
+
+
+def device_count(family, devices: int | None, nproc: int) -> Check | None:
+    """Enough devices on this host for the node's ranks (None: the count is unknown)."""
+    if not family.has_devices or devices is None:
+        return None
+    ok = devices >= nproc
+    return Check("devices", ok, f"{devices} {family.device_type} device(s) listed, nproc_per_node={nproc}"
+                 + ("" if ok else "; lower nproc_per_node or route the run to bigger hosts"))
 
 
 def free_disk(checkpoint_root: Path, *, newest_bytes: int, min_free_mb: float) -> Check:
@@ -138,6 +170,8 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
     elif not health.ok and not health.detail.endswith(_NOT_INSTALLED):
         registry.cordon(host, reason=f"chip health check failed: {health.detail}", now=now)
     checks.append(health)
+    if (count := device_count(family, health.devices, int(plan["spec"].get("nproc_per_node", 1)))) is not None:
+        checks.append(count)
     ckpt_root = Path(plan["run_dir"]) / "checkpoints"
     # The newest checkpoint's size from its manifest: hashing it (verify) is the resume's
     # job, not worth a full read of the checkpoint at every node start.

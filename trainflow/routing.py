@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
-from trainflow.chips.registry import FAMILIES, queue_for
+from trainflow.chips.registry import FAMILIES, family_of_queue, queue_for
 
 NODE_TASKS = ("shard_train",)
+_MODEL = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
 
 
-def node_queue(task_id: str, conf: Mapping[str, Any] | None) -> str | None:
-    """The chip queue for a node task of a run whose conf names a chip, else None
-    (leave the DAG's queue). Unknown chips are left to provision to refuse."""
-    if task_id not in NODE_TASKS or not conf:
+def node_queue(task_id: str, conf: Mapping[str, Any] | None, current: str | None = None) -> str | None:
+    """The chip queue for a node task of a run, or None (leave the task's queue).
+
+    The run's conf may name the chip and its model; what it leaves out comes from the
+    task's current queue (the DAG's default chip, ``<family>-<model>``). Invalid values
+    are left for provision to refuse with the field and the fix.
+    """
+    if task_id not in NODE_TASKS or not conf or not ({"chip", "chip_model"} & set(conf)):
         return None
-    chip = conf.get("chip")
+    base = family_of_queue(current) if current else None
+    chip = conf.get("chip", base)
     if not isinstance(chip, str) or chip not in FAMILIES:
         return None
-    return queue_for(chip)
+    model = conf.get("chip_model")
+    if model is None and chip == base and current and current != "cpu":
+        model = current[len(chip) + 1:]  # the DAG's own model of the same family
+    if model is not None and (not isinstance(model, str) or (model and not _MODEL.match(model))):
+        return None
+    return queue_for(chip, model or None)

@@ -21,6 +21,9 @@ from trainflow.faults import FAULT_SCHEMA, FaultKind, parse_faults
 
 BUILTIN_WORKLOADS = ("digits", "tinylm")
 STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+LAUNCHERS = ("local", "kubernetes")
+IMAGE_PATTERN = r"^([a-z0-9]+([._/:@-][A-Za-z0-9_]+)*)?$"
 BATCH_POLICIES = ("keep_global", "keep_per_rank")
 MAX_NODES = 64
 NODES_PATTERN = r"^[0-9]{1,2}(:[0-9]{1,2})?$"
@@ -33,7 +36,8 @@ STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*)$"
 # Fields whose values change the trained weights; the checkpoint manifest records their
 # hash so a run never resumes from another run's state. World size is checked separately.
 _TRAINING_FIELDS = ("workload", "chip", "strategy", "steps", "batch_size", "lr", "seed")
-# ... and, only where it is not the default, the batch policy (older manifests stay valid).
+# ... and, only where they are not the default, the batch policy and the precision (older
+# manifests stay valid).
 
 
 def _meta(title: str, description: str, **schema: Any) -> dict[str, Any]:
@@ -74,6 +78,19 @@ class TrainingSpec:
     chip: str = field(default="cpu", metadata=_meta(
         "Chip family", "Accelerator family; decides the queue, device and backend.",
         enum=sorted(FAMILIES)))
+    chip_model: str = field(default="", metadata=_meta(
+        "Chip model", "Model within the family (h100, 910b ...): the node tasks go to queue "
+        "<chip>-<model>. Empty: the family's default queue.", pattern=r"^([a-z0-9][a-z0-9-]{0,30})?$"))
+    precision: str = field(default="fp32", metadata=_meta(
+        "Precision", "fp32; bf16 or fp16 autocast (fp16 with loss scaling); auto: bf16 where the "
+        "chip's bf16 rule allows it, else fp16.", enum=list(PRECISIONS)))
+    launcher: str = field(default="local", metadata=_meta(
+        "Launcher", "local: each node task runs its node agent where Airflow placed it; kubernetes: "
+        "each node runs as a pod (cncf-kubernetes provider) with the chip's device-plugin resources.",
+        enum=list(LAUNCHERS)))
+    image: str = field(default="", metadata=_meta(
+        "Image", "Kubernetes launcher: the worker image (empty: the chip family's image).",
+        pattern=IMAGE_PATTERN, maxLength=300))
     strategy: str = field(default="ddp", metadata=_meta(
         "Strategy", "ddp (replicated weights) or fsdp (FSDP2 fully_shard).", enum=list(STRATEGIES)))
     steps: int = field(default=300, metadata=_meta(
@@ -130,6 +147,10 @@ class TrainingSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", _parse_nodes(self.nodes))
+        if isinstance(self.chip, (list, tuple)) or (isinstance(self.chip, str) and "," in self.chip):
+            raise SpecError("chip", self.chip, "a gang is one chip family: its collectives run on one "
+                            "backend (nccl, hccl, cncl ...) that cannot span families; run one gang "
+                            "per family, each its own run")
         for f in fields(self):
             if f.type not in ("tuple", "int | str"):
                 _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
@@ -196,6 +217,13 @@ class TrainingSpec:
         return int(str(self.nodes).split(":")[-1])
 
     @property
+    def queue(self) -> str:
+        """The Airflow queue the node tasks run on (``<chip>-<model>``, or ``cpu``)."""
+        from trainflow.chips.registry import queue_for
+
+        return queue_for(self.chip, self.chip_model or None)
+
+    @property
     def elastic(self) -> bool:
         """The gang may change size (``nodes`` is 'min:max' with min < max)."""
         return self.min_nodes < self.max_nodes
@@ -223,6 +251,8 @@ class TrainingSpec:
         values = {k: getattr(self, k) for k in _TRAINING_FIELDS}
         if self.batch_policy != "keep_global":
             values["batch_policy"] = self.batch_policy
+        if self.precision != "fp32":
+            values["precision"] = self.precision
         payload = json.dumps(values, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

@@ -21,6 +21,8 @@ CASES = {
     "ddp-1x3": dict(nodes=1, nproc_per_node=3, strategy="ddp"),
     "fsdp-2x1": dict(nodes=2, nproc_per_node=1, strategy="fsdp"),
     "ddp-2x1-sync-checkpoints": dict(nodes=2, nproc_per_node=1, strategy="ddp", checkpoint_mode="sync"),
+    # fp16 autocast with loss scaling: the scaler's state rides in the manifest.
+    "ddp-2x1-fp16": dict(nodes=2, nproc_per_node=1, strategy="ddp", precision="fp16"),
 }
 
 
@@ -64,6 +66,9 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, case):
     a, b = evaluate(clean), evaluate(interrupted)
     assert a["step"] == b["step"] == spec.steps
     assert a["weights_sha256"] == b["weights_sha256"]
+    if spec.precision == "fp16":  # the loss scaler resumed from the manifest, not from scratch
+        newest = manifest.newest_verified(interrupted / "checkpoints")
+        assert manifest.read_manifest(Path(newest.path))["extra"]["grad_scaler"]["scale"] > 0
     # keep-last-K holds after the resume too
     assert len(manifest.list_checkpoints(interrupted / "checkpoints")) == spec.keep_last
 

@@ -481,9 +481,9 @@ class AsyncCheckpointer:
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo")
         # Synchronous staging into CPU buffers cached per storage (reused by every save);
-        # pinned only where there is a CUDA device to copy from.
+        # pinned only where there is an accelerator to copy from (any family).
         self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+            use_pinned_memory=torch.accelerator.current_accelerator() is not None, use_shared_memory=False,
             use_async_staging=False, use_non_blocking_copy=False))
         self.on_commit, self.on_error = on_commit, on_error
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainflow-ckpt")

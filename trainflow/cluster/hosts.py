@@ -24,6 +24,10 @@ CREATE TABLE IF NOT EXISTS host_failures (
 );
 CREATE INDEX IF NOT EXISTS host_failures_host ON host_failures (host, time);
 CREATE TABLE IF NOT EXISTS cordons (host TEXT PRIMARY KEY, since REAL NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inventory (
+    host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, devices INTEGER NOT NULL,
+    time REAL NOT NULL
+);
 """
 
 
@@ -104,6 +108,22 @@ class HostRegistry(StateDB):
         with closing(self._connect()) as con:
             row = con.execute("SELECT host, since, reason FROM cordons WHERE host=?", (host,)).fetchone()
         return Cordon(*row) if row else None
+
+    def register(self, host: str, *, queue: str, family: str, devices: int, now: float | None = None) -> None:
+        """Record what ``host`` serves (``trainflow doctor --register``): provision refuses
+        a gang whose nproc_per_node no registered host of its queue can give."""
+        now = time.time() if now is None else now
+        with closing(self._connect()) as con:
+            con.execute("INSERT OR REPLACE INTO inventory VALUES (?, ?, ?, ?, ?)",
+                        (host, queue, family, int(devices), now))
+
+    def inventory(self, queue: str | None = None) -> list[dict]:
+        """Registered hosts (of ``queue``), most devices first."""
+        with closing(self._connect()) as con:
+            rows = con.execute("SELECT host, queue, family, devices, time FROM inventory"
+                               + (" WHERE queue=?" if queue else "") + " ORDER BY devices DESC, host",
+                               (queue,) if queue else ()).fetchall()
+        return [dict(zip(("host", "queue", "family", "devices", "time"), r)) for r in rows]
 
     def hosts(self, *, policy: CordonPolicy, now: float | None = None) -> list[dict]:
         """Every known host with its recent failures and cordon (for the CLI and the UI)."""

@@ -349,8 +349,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="trainflow node agent")
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--node", required=True, type=int)
+    parser.add_argument("--preflight-try", type=int, metavar="TRY",
+                        help="run the node's preflight first, as try TRY (pods: the agent runs "
+                             "on the chip host, where the Airflow task does not)")
     args = parser.parse_args(argv)
-    return run(args.plan, args.node)
+    if args.preflight_try is None:
+        return run(args.plan, args.node)
+    from trainflow.cluster.nodes import NodeTry
+    from trainflow.errors import ChipUnavailableError, PreflightError
+
+    attempt = NodeTry(json.loads(args.plan.read_text()), args.node, args.preflight_try)
+    try:
+        for check in attempt.begin():
+            print(f"preflight {check.name}: {check.detail}", flush=True)
+    except (PreflightError, ChipUnavailableError) as exc:
+        print(f"preflight failed: {exc}", file=sys.stderr, flush=True)
+        return PREFLIGHT_EXIT_CODE
+    rc = run(args.plan, args.node)
+    attempt.end("succeeded" if rc == 0 else f"exit {rc}",
+                failure=None if rc == 0 else f"node {args.node} agent exited with code {rc}")
+    return rc
+
+
+# A pod whose preflight failed exits with this (EX_TEMPFAIL): Airflow's retry places it again.
+PREFLIGHT_EXIT_CODE = 75
 
 
 if __name__ == "__main__":

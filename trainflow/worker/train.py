@@ -167,6 +167,68 @@ def wrap(model, spec: TrainingSpec, shard_modules, device):
     return ddp
 
 
+def pick_device(torch, family):
+    """This rank's device: index 0 of what it sees (``apply_visibility`` gave each rank its
+    own share of the node's devices before torch was imported); generic over families."""
+    if not family.has_devices:
+        return torch.device("cpu")
+    device = torch.device(family.device_type, 0)
+    module = torch.get_device_module(device)
+    if module.device_count() < 1:
+        raise ChipUnavailableError(
+            f"chip family {family.name!r}: no {family.device_type} device is visible to this rank "
+            f"({family.visible_env}={os.environ.get(family.visible_env or '', '<unset>')}); check the "
+            f"node's driver with `trainflow doctor`")
+    module.set_device(device)
+    return device
+
+
+def amp_precision(torch, family, precision: str, device):
+    """The autocast dtype for the spec's precision (``auto``: the family's bf16 rule,
+    asked of the device module generically where it can answer)."""
+    if precision == "fp32":
+        return torch.float32
+    if precision in ("bf16", "fp16"):
+        return torch.bfloat16 if precision == "bf16" else torch.float16
+    from trainflow.chips.registry import amp_dtype
+
+    module = torch.get_device_module(device)
+    probe = {}
+    if device.type != "cpu":
+        if hasattr(module, "get_device_capability"):
+            probe["capability"] = tuple(module.get_device_capability(device))
+        if hasattr(module, "get_device_name"):
+            probe["device_name"] = module.get_device_name(device)
+    if hasattr(module, "is_bf16_supported"):
+        probe["runtime_bf16"] = bool(module.is_bf16_supported())
+    return getattr(torch, amp_dtype(family, **probe))
+
+
+def extra_state(position: int, scaler) -> dict:
+    """What a checkpoint's manifest records beside the tensors: the data position and,
+    with fp16 loss scaling, the scaler (so a resumed run scales exactly as before)."""
+    extra = {"position": position}
+    if scaler.is_enabled():
+        extra["grad_scaler"] = scaler.state_dict()
+    return extra
+
+
+def apply_visibility(run_dir: Path, env=os.environ) -> dict[str, str]:
+    """Give this rank its share of the node's devices, before torch is imported."""
+    from trainflow.chips.registry import get_family, worker_env
+
+    chip = json.loads((run_dir / "spec.json").read_text()).get("chip", "cpu")
+    node_devices = env.get("TRAINFLOW_NODE_DEVICES")
+    try:
+        update = worker_env(get_family(chip), env, local_rank=int(env.get("LOCAL_RANK", "0")),
+                            local_world=int(env.get("LOCAL_WORLD_SIZE", "1")),
+                            node_devices=int(node_devices) if node_devices else None)
+    except ValueError as exc:  # too few devices for nproc_per_node: no retry can help
+        raise ChipUnavailableError(f"chip family {chip!r}: {exc}") from exc
+    env.update(update)
+    return update
+
+
 def _collate(train, indices, device):
     from torch.utils.data import default_collate
 
@@ -194,8 +256,9 @@ def run(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from trainflow.chips.registry import get_family
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainflow.chips.registry import get_family
 
     from trainflow.checkpoint import dcp
     from trainflow.data import indices_at, rank_positions
@@ -216,17 +279,12 @@ def run(run_dir: Path) -> int:
         try:
             importlib.import_module(family.extension)
         except ImportError as exc:
-            from trainflow.chips.registry import queue_for
-
             raise ChipUnavailableError(
-                f"chip family {family.name!r} needs the {family.extension!r} extension, which is not "
-                f"installed on this worker ({exc}); install it, or serve queue {queue_for(family.name)!r} "
-                f"only from workers that have it") from exc
-    device = torch.device("cpu")
-    if family.device_type != "cpu":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device(family.device_type, local_rank)
-        torch.get_device_module(family.device_type).set_device(device)
+                f"chip family {family.name!r} needs the {family.extension!r} extension "
+                f"(pip package {family.package!r}), which is not installed on this worker ({exc}); "
+                f"install it, or serve queue {spec.queue!r} only from workers that have it") from exc
+    device = pick_device(torch, family)
+    precision = amp_precision(torch, family, spec.precision, device)
     beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node,
                            interval=spec.heartbeat_interval, world=world)
     beat.beat(step=0, total=spec.steps, state=RankState.STARTING, force=True)
@@ -238,6 +296,8 @@ def run(run_dir: Path) -> int:
     workload = user_code(rank, load_workload, spec)
     model = wrap(workload.model.to(device), spec, workload.shard_modules, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+    # fp16 autocast needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op).
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
     ckpt_root = run_dir / "checkpoints"
     thash = spec.training_hash()
 
@@ -272,6 +332,10 @@ def run(run_dir: Path) -> int:
                                  f"{spec.crash_loop_limit}); stopping instead of retrying")
     if choice[0]:
         dcp.load(model, optimizer, choice[0]["path"])
+        if scaler.is_enabled():
+            scale_state = (manifest.read_manifest(Path(choice[0]["path"])) or {}).get("extra", {}).get("grad_scaler")
+            if scale_state:
+                scaler.load_state_dict(scale_state)
         say(f"resumed from verified checkpoint step {start} ({choice[0]['path']})")
         if rank == 0:
             record(run_dir, "resumed", step=start, checkpoint=choice[0]["path"])
@@ -317,7 +381,8 @@ def run(run_dir: Path) -> int:
         beat.set_phase("forward")
         user_code(rank, injector.before_step, step + 1)
         t_compute = time.perf_counter()
-        loss = user_code(rank, workload.loss, model, _collate(workload.train, idx, device))
+        with torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32):
+            loss = user_code(rank, workload.loss, model, _collate(workload.train, idx, device))
         injector.slowdown(step + 1, time.perf_counter() - t_compute)
         compute_ms = 1000 * (time.perf_counter() - t_compute)
         compute_ewma = compute_ms if compute_ewma is None else 0.9 * compute_ewma + 0.1 * compute_ms
@@ -327,13 +392,17 @@ def run(run_dir: Path) -> int:
         # evenly, weighting each rank's mean loss by its share keeps the step's gradient the
         # mean over the global batch. Even splits (every fixed-size run) skip it: bits unchanged.
         weight = len(mine) * world / global_batch
-        (loss * weight if weight != 1 else loss).backward()
+        scaler.scale(loss * weight if weight != 1 else loss).backward()
         position += global_batch
         if samples_log is not None:
             samples_log.write(json.dumps({"step": step + 1, "world": world, "time": time.time(), "indices": idx}) + "\n")
         if checkpointer is not None:
             checkpointer.before_update()  # an async save copies the state during forward/backward
-        optimizer.step()
+        if scaler.is_enabled():
+            scaler.step(optimizer)  # skipped when a gradient overflowed (same on every rank)
+            scaler.update()
+        else:
+            optimizer.step()
         done = step + 1
         loss_value = float(loss.detach())
         if step == start and rank == 0:
@@ -357,12 +426,12 @@ def run(run_dir: Path) -> int:
                     # Only rank 0 hears of a committed save; a failed one would have
                     # released the ballast already, so the previous save succeeded.
                     injector.save_finished(last_ckpt, ok=True)
-                checkpointer.save(model, optimizer, step=done, extra={"position": position})
+                checkpointer.save(model, optimizer, step=done, extra=extra_state(position, scaler))
             else:
                 try:
                     ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
                                    training_hash=thash, keep_last=spec.keep_last,
-                                   extra={"position": position})
+                                   extra=extra_state(position, scaler))
                 except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
                     on_error(done, exc)
                 else:
@@ -407,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("TRAINFLOW_ZYGOTE_CHILD"):  # a zygote's child dies with the zygote
         die_with_parent(int(os.environ.get("TRAINFLOW_AGENT_PID", "0")))
     try:
+        apply_visibility(args.run_dir)
         return run(args.run_dir)
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
         rank = int(os.environ.get("RANK", "-1"))
