@@ -122,6 +122,7 @@ class ShardTrainOperator(BaseOperator):
         from trainflow.cluster.slots import SlotLeases
         from trainflow.errors import RunAbortedError
         from trainflow.remediation import aborted as read_abort
+        from trainflow.workspace import completed
 
         leases = SlotLeases.open(run_dir)
         if leases is None:
@@ -130,7 +131,7 @@ class ShardTrainOperator(BaseOperator):
             self.log.warning("node %d: its node was lost (%s); waiting for capacity", node, lost.get("reason"))
         said = False
         while not leases.acquire(node):
-            if (run_dir / "control" / "complete.json").exists():
+            if completed(run_dir):
                 self.log.info("node %d: the run completed before capacity for this node freed", node)
                 return False
             if (abort := read_abort(run_dir)) is not None:

@@ -19,6 +19,19 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:+~-]{0,249}$"
 DAG_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}$"
 
 
+# Control files of a run (``<run_dir>/control/``): rank 0 writes COMPLETE when training
+# finished (standing spares and slots waiting for capacity then end); a node waiting to join
+# an elastic gang writes a grow request, and rank 0 answers with GROW_ACK.
+COMPLETE = "complete.json"
+GROW_ACK = "grow-ack.json"
+GROW_REQUEST_GLOB = "grow-request-*.json"
+
+
+def completed(run_dir: str | Path) -> bool:
+    """The run's training finished (``control/complete.json`` exists)."""
+    return (Path(run_dir) / "control" / COMPLETE).exists()
+
+
 def default_root() -> Path:
     """Root of all workspaces: ``$TRAINFLOW_HOME/runs`` (default ``~/.trainflow/runs``)."""
     home = os.environ.get("TRAINFLOW_HOME") or os.path.join(os.path.expanduser("~"), ".trainflow")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from trainflow.worker.train import membership_change
+from trainflow.worker.train import crash_restarts, membership_change
 
 
 def _start(t, nodes, world):
@@ -23,3 +23,17 @@ def test_membership_changes_are_named(tmp_path):
     assert (shrink["change"], shrink["world_from"], shrink["world_to"]) == ("shrink", 3, 2)
     grow = membership_change(first, [0, 1, 3], 3, run_dir=tmp_path)
     assert (grow["change"], grow["joined"]) == ("grow", [3])
+
+
+def test_a_grow_restart_is_not_a_crash_restart():
+    events = [
+        {"event": "gang_start", "step": 0},
+        {"event": "gang_start", "step": 100},      # resumed after a crash: counts
+        {"event": "grow_window", "step": 200},
+        {"event": "gang_start", "step": 200},      # the planned grow restart: does not
+    ]
+    assert crash_restarts(events, 100) == 1
+    assert crash_restarts(events, 200) == 0
+    events += [{"event": "gang_start", "step": 200}, {"event": "gang_start", "step": 200}]
+    assert crash_restarts(events, 200) == 2     # crashes after the grow count again
+    assert crash_restarts(events, 300) == 0

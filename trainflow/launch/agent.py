@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainflow.workspace import write_json_atomic
+from trainflow.workspace import COMPLETE, GROW_ACK, completed, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +204,10 @@ def await_grow_window(plan: dict, node: int) -> str:
           file=sys.stderr, flush=True)
     try:
         while True:
-            if (control / "complete.json").exists():
+            if completed(plan["run_dir"]):
                 return "complete"
             try:
-                ack = json.loads((control / "grow-ack.json").read_text())
+                ack = json.loads((control / GROW_ACK).read_text())
             except (OSError, ValueError):
                 ack = None
             if ack is not None and float(ack.get("time", 0)) >= asked:
@@ -233,7 +233,7 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
 
     from trainflow.remediation import abort_source, aborted
 
-    complete = run_dir / "control" / "complete.json"
+    complete = run_dir / "control" / COMPLETE
 
     def loop() -> None:
         done_since = None

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from trainflow.plan import build_plan
 from trainflow.spec import TrainingSpec
-from trainflow.workspace import write_json_atomic
+from trainflow.workspace import COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, write_json_atomic
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,7 +47,7 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
     run_dir = Path(run_dir).resolve()
     for sub in ("checkpoints", "heartbeats", "logs", "control"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    for stale in ("complete.json", "grow-ack.json", *(p.name for p in (run_dir / "control").glob("grow-request-*"))):
+    for stale in (COMPLETE, GROW_ACK, *(p.name for p in (run_dir / "control").glob(GROW_REQUEST_GLOB))):
         (run_dir / "control" / stale).unlink(missing_ok=True)  # of an earlier try of this run
     if rdzv_backend == rdzv_db.BACKEND:
         endpoint = rdzv_db.endpoint(run_dir / "rendezvous.db")

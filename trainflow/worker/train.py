@@ -27,12 +27,9 @@ from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.remediation import abort
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
-from trainflow.workspace import write_json_atomic
+from trainflow.workspace import COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, write_json_atomic
 
 ABORT_EXIT_CODE = 3
-COMPLETE = "complete.json"
-GROW_ACK = "grow-ack.json"
-GROW_REQUEST_GLOB = "grow-request-*.json"
 # How long a gang that opened a grow window waits for the joining node before it trains on.
 GROW_WINDOW_S = 20.0
 
@@ -113,6 +110,21 @@ def grow_window(run_dir: Path, spec: TrainingSpec, rank: int, step: int, checkpo
     if rank == 0:
         (control / GROW_ACK).unlink(missing_ok=True)
         say("no node joined in the grow window; training on")
+
+
+def crash_restarts(events: list[dict], step: int) -> int:
+    """Gang starts from the checkpoint of ``step`` so far, not counting the restart a grow
+    window planned there (it follows no failure; the crash-loop limit is about failures)."""
+    count, planned = 0, False
+    for e in events:
+        if e.get("step") != step:
+            continue
+        if e["event"] == "grow_window":
+            planned = True
+        elif e["event"] == "gang_start":
+            count += not planned
+            planned = False
+    return count
 
 
 def lr_at(spec: TrainingSpec, step: int) -> float:
@@ -317,7 +329,7 @@ def run(run_dir: Path) -> int:
     position = choice[0]["position"] if choice[0] else 0
     if rank == 0:
         events = timeline.read(run_dir)
-        earlier = [e for e in events if e["event"] == "gang_start" and e["step"] == start]
+        earlier = crash_restarts(events, start)
         members = sorted(set(nodes))
         change = membership_change(events, members, world, run_dir=run_dir)
         record(run_dir, "gang_start", step=start, world=world, nodes=members)
@@ -326,8 +338,8 @@ def run(run_dir: Path) -> int:
             say(f"gang {change['change']}: world {change['world_from']} → {world}, nodes "
                 f"{change['nodes_from']} → {members}, resuming at step {start} "
                 f"(batch policy {spec.batch_policy}, global batch {spec.global_batch_at(world)})")
-        if len(earlier) >= spec.crash_loop_limit:
-            raise CrashLoopError(f"crash loop: the gang restarted {len(earlier)} times from step {start} "
+        if earlier >= spec.crash_loop_limit:
+            raise CrashLoopError(f"crash loop: the gang restarted {earlier} times from step {start} "
                                  f"without reaching a newer checkpoint (crash_loop_limit="
                                  f"{spec.crash_loop_limit}); stopping instead of retrying")
     if choice[0]:
