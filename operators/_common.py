@@ -24,6 +24,40 @@ def load_plan(run_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "plan.json").read_text())
 
 
+def s3_client_from_connection(env=None):
+    """A boto3 S3 client from the Airflow Connection ``TRAINFLOW_S3_CONN_ID`` (default
+    ``trainflow_s3``: login = access key, password = secret, host or extra ``endpoint_url``,
+    extra ``region_name``/``aws_session_token``), or from boto3's standard chain when the
+    connection does not exist. Secrets never leave this function."""
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from trainflow.checkpoint import s3
+
+    env = os.environ if env is None else env
+    try:
+        conn = Connection.get(env.get("TRAINFLOW_S3_CONN_ID", "trainflow_s3"))
+    except AirflowNotFoundException:
+        return s3.client()
+    extra = conn.extra_dejson or {}
+    return s3.client(endpoint_url=extra.get("endpoint_url") or conn.host or None,
+                     region_name=extra.get("region_name"), aws_access_key_id=conn.login or None,
+                     aws_secret_access_key=conn.password or None,
+                     aws_session_token=extra.get("aws_session_token"))
+
+
+def durable_store(plan: dict[str, Any]):
+    """The run's durable checkpoint store (``trainflow.checkpoint.store``), or None."""
+    from trainflow.checkpoint.store import open_store
+
+    spec = plan["spec"]
+    uri = spec.get("store_uri") or ""
+    if not uri:
+        return None
+    return open_store(uri, spec["tenant"], plan["dag_id"], plan["run_id"],
+                      s3_client=s3_client_from_connection() if uri.startswith("s3://") else None)
+
+
 def translate(exc: BaseException) -> BaseException:
     """Core error → Airflow error: user/config errors are never retried."""
     from airflow.sdk.exceptions import AirflowException, AirflowFailException

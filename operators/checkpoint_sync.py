@@ -6,7 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import RUN_DIR_TEMPLATE, load_plan
+from operators._common import RUN_DIR_TEMPLATE, durable_store, load_plan
 
 
 class CheckpointSyncOperator(BaseOperator):
@@ -31,7 +31,6 @@ class CheckpointSyncOperator(BaseOperator):
         from airflow.sdk.exceptions import AirflowException
 
         from trainflow.checkpoint import manifest
-        from trainflow.checkpoint.store import durable_root, publish
         from trainflow.spec import TrainingSpec
 
         run_dir = Path(self.run_dir)
@@ -42,10 +41,14 @@ class CheckpointSyncOperator(BaseOperator):
         if ref is None:
             raise AirflowException(f"no verified checkpoint under {run_dir / 'checkpoints'}")
         manifest.prune(run_dir / "checkpoints", spec.keep_last)
-        durable = durable_root(spec.store_uri, spec.tenant, plan["dag_id"], plan["run_id"])
-        if durable is not None:
-            ref = publish(ref, durable, spec.keep_last)
-        pointer = {"step": ref.step, "uri": Path(ref.path).as_uri(), "path": ref.path,
+        uri = Path(ref.path).as_uri()
+        if (store := durable_store(plan)) is not None:
+            done = store.publish(ref, spec.keep_last)
+            uri = done["uri"]
+            if done.get("seconds"):
+                self.log.info("uploaded %d bytes in %.2fs (%.0f MB/s)", done["bytes"], done["seconds"],
+                              done["bytes"] / 1e6 / done["seconds"])
+        pointer = {"step": ref.step, "uri": uri, "path": ref.path,
                    "manifest_sha256": ref.manifest_sha256, "bytes": ref.bytes,
                    "world_size": ref.world_size, "verified": True}
         self.log.info("checkpoint step %d verified and published: %s", ref.step, pointer["uri"])

@@ -6,7 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import RUN_DIR_TEMPLATE, Subprocess, python
+from operators._common import RUN_DIR_TEMPLATE, Subprocess, durable_store, load_plan, python
 
 
 class EvaluateOperator(BaseOperator):
@@ -35,8 +35,20 @@ class EvaluateOperator(BaseOperator):
 
         from trainflow.report import build_report, write_report
 
+        path = self.checkpoint_path
+        if not (Path(path) / "manifest.json").exists():  # the local copy went with its host
+            from trainflow.checkpoint.store import hydrate
+            from trainflow.spec import TrainingSpec
+
+            plan = load_plan(self.run_dir)
+            spec = TrainingSpec.from_mapping(plan["spec"])
+            ref = hydrate(Path(self.run_dir), durable_store(plan), training_hash=spec.training_hash())
+            if ref is None:
+                raise AirflowException(f"checkpoint {path} is gone and the store has no verified copy")
+            self.log.info("checkpoint %s not on this host; evaluating the store's step %d", path, ref.step)
+            path = ref.path
         self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
-                                 self.run_dir, "--checkpoint", self.checkpoint_path], log=self.log)
+                                 self.run_dir, "--checkpoint", path], log=self.log)
         if (rc := self._proc.run()) != 0:
             raise AirflowException(f"evaluation exited with code {rc}")
         result = json.loads((Path(self.run_dir) / "metrics.json").read_text())

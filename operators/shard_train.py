@@ -6,7 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators._common import Subprocess, abort_message, load_plan, python
+from operators._common import Subprocess, abort_message, durable_store, load_plan, python
 
 
 class ShardTrainOperator(BaseOperator):
@@ -64,6 +64,7 @@ class ShardTrainOperator(BaseOperator):
         attempt = NodeTry(plan, node, try_number)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
+        self._hydrate(run_dir, plan)
 
         def poll() -> str | None:
             return "abort" if read_abort(run_dir) is not None else attempt.replacement_requested()
@@ -112,6 +113,21 @@ class ShardTrainOperator(BaseOperator):
                                  startup_timeout_s=int(plan["spec"]["startup_timeout"]))
         self._pod.execute(context)
         return {"node": node, "pod": pod["metadata"]["name"], "ranks": [], "step": None}
+
+    def _hydrate(self, run_dir, plan: dict) -> None:
+        """Resume from the newest verified copy wherever it is: fetch the durable store's
+        newest checkpoint when this workspace lost it (or never had it)."""
+        from trainflow.checkpoint.store import hydrate
+        from trainflow.spec import TrainingSpec
+
+        store = durable_store(plan)
+        if store is None:
+            return
+        spec = TrainingSpec.from_mapping(plan["spec"])
+        ref = hydrate(run_dir, store, training_hash=spec.training_hash(),
+                      world_size=None if spec.elastic else spec.world_size)
+        if ref is not None:
+            self.log.info("resume point: verified checkpoint step %d (%s)", ref.step, ref.path)
 
     def _capacity(self, run_dir, node: int) -> bool:
         """Hold a node of the pool for this slot: True once it does, False if the run

@@ -31,7 +31,7 @@ NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 # Built-in names, or 'package.module:function' (so the trigger form refuses anything else).
 WORKLOAD_PATTERN = (r"^(" + "|".join(BUILTIN_WORKLOADS)
                     + r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$")
-STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*)$"
+STORE_PATTERN = r"^(|file:///[A-Za-z0-9_./-]*|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_./-]*)?)$"
 
 # Fields whose values change the trained weights; the checkpoint manifest records their
 # hash so a run never resumes from another run's state. World size is checked separately.
@@ -135,8 +135,9 @@ class TrainingSpec:
         "Retries", "Airflow retries of a node task after an infrastructure failure.",
         minimum=0, maximum=10))
     store_uri: str = field(default="", metadata=_meta(
-        "Checkpoint store", "Durable checkpoint store: empty for the run's workspace, or "
-        "file:///absolute/dir.", pattern=STORE_PATTERN, maxLength=500))
+        "Checkpoint store", "Durable checkpoint store: empty for the run's workspace, "
+        "file:///absolute/dir, or s3://bucket/prefix (credentials from the Airflow connection "
+        "trainflow_s3 or the standard AWS chain, never here).", pattern=STORE_PATTERN, maxLength=500))
     tenant: str = field(default="default", metadata=_meta(
         "Tenant", "Owner of the run; lower-case letters, digits and '-'.",
         pattern=NAME_PATTERN, maxLength=63))

@@ -1,5 +1,6 @@
-"""Durable checkpoint stores. ``file://`` (a directory, e.g. a shared mount) here; the
-S3 tier plugs in behind the same ``publish`` call.
+"""Durable checkpoint stores: ``file://`` (a directory, e.g. a shared mount) and ``s3://``
+(``trainflow.checkpoint.s3``), behind one interface (``open_store``): ``publish`` a
+verified local checkpoint, ``fetch_newest`` the newest verified copy back.
 
 A checkpoint is copied into ``<dest>.partial``, verified against its manifest, then
 renamed into place, so the durable copy is either complete and verified or absent.
@@ -17,13 +18,96 @@ from trainflow.errors import CheckpointError
 from trainflow.workspace import Workspace
 
 
+class FileStore:
+    """A run's durable checkpoints in a directory (``file:///dir``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def uri(self) -> str:
+        return self.root.as_uri()
+
+    def steps(self) -> list[int]:
+        return [s for s, _ in manifest.list_checkpoints(self.root)]
+
+    def publish(self, ref: manifest.CheckpointRef, keep_last: int) -> dict:
+        out = publish(ref, self.root, keep_last)
+        return {"step": out.step, "uri": Path(out.path).as_uri(), "bytes": out.bytes}
+
+    def fetch_newest(self, dest_root: Path, *, training_hash: str | None = None,
+                     world_size: int | None = None) -> manifest.CheckpointRef | None:
+        ref = manifest.newest_verified(self.root, training_hash=training_hash, world_size=world_size)
+        return publish(ref, Path(dest_root), keep_last=10**6) if ref is not None else None
+
+
+class S3Tier:
+    """A run's durable checkpoints in S3 (``s3://bucket/prefix``)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def steps(self) -> list[int]:
+        return self.store.steps()
+
+    def publish(self, ref: manifest.CheckpointRef, keep_last: int) -> dict:
+        done = self.store.upload(ref)
+        self.store.prune(keep_last)
+        return done
+
+    def fetch_newest(self, dest_root: Path, *, training_hash: str | None = None,
+                     world_size: int | None = None) -> manifest.CheckpointRef | None:
+        return self.store.newest(dest_root, training_hash=training_hash, world_size=world_size)
+
+
+def open_store(store_uri: str, tenant: str, dag_id: str, run_id: str, *, s3_client=None):
+    """The run's durable store for ``store_uri`` (None: the workspace is the store).
+
+    Args:
+        s3_client: a boto3 client for ``s3://`` URIs (made by the caller from an Airflow
+            Connection or the standard chain; default: ``s3.client()`` on the chain).
+    """
+    if not store_uri:
+        return None
+    if store_uri.startswith("s3://"):
+        from trainflow.checkpoint import s3
+
+        bucket, prefix = s3.parse_uri(store_uri)
+        return S3Tier(s3.S3Store(s3_client or s3.client(), bucket, prefix, tenant=tenant, dag_id=dag_id,
+                                 run_id=run_id))
+    return FileStore(durable_root(store_uri, tenant, dag_id, run_id))
+
+
+def hydrate(run_dir: Path, store, *, training_hash: str | None = None,
+            world_size: int | None = None) -> manifest.CheckpointRef | None:
+    """Bring the store's newest verified checkpoint into the workspace when it is newer
+    than the newest local one (the local copy was lost with its host); returns the
+    checkpoint a resume will use, or None."""
+    local_root = Path(run_dir) / "checkpoints"
+    local = manifest.newest_verified(local_root, training_hash=training_hash, world_size=world_size)
+    if store is None:
+        return local
+    remote_steps = store.steps()
+    if not remote_steps or (local is not None and local.step >= max(remote_steps)):
+        return local
+    fetched = store.fetch_newest(local_root, training_hash=training_hash, world_size=world_size)
+    if fetched is None or (local is not None and local.step >= fetched.step):
+        return local
+    return fetched
+
+
 def durable_root(store_uri: str, tenant: str, dag_id: str, run_id: str) -> Path | None:
     """Where a run's durable checkpoints live; None when the workspace is the store."""
     if not store_uri:
         return None
     parsed = urlparse(store_uri)
     if parsed.scheme != "file" or not parsed.path.startswith("/"):
-        raise CheckpointError(f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir")
+        raise CheckpointError(f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir "
+                              f"or s3://bucket/prefix")
     # Workspace checks every component, so the run cannot escape its prefix.
     return Workspace(Path(parsed.path), tenant, dag_id, run_id).dir / "checkpoints"
 

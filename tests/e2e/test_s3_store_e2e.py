@@ -1,0 +1,72 @@
+"""End to end with the S3 tier: the embedded stack with its checkpoints published to a real
+S3 server (SeaweedFS on loopback), credentials only in an Airflow Connection. Then the
+workspace loses its checkpoints (as a lost host would) and evaluate, cleared, reads the
+checkpoint back from S3."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trainflow.checkpoint.s3 import S3Store
+from trainflow.launch.local import free_port
+from trainflow.stack import EmbeddedStack
+
+pytestmark = pytest.mark.e2e
+DAG = "train_digits"
+
+
+@pytest.fixture(scope="module")
+def s3_stack(tmp_path_factory, s3_server):
+    root = tmp_path_factory.mktemp("s3stack")
+    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
+            "extra": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
+    s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
+                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": json.dumps(conn)})
+    try:
+        s.up(timeout=240)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server):
+    client = s3_stack.client()
+    client.wait_for_dag(DAG, timeout=120)
+    client.unpause(DAG)
+    conf = {"steps": 300, "checkpoint_interval": 100, "keep_last": 2, "tenant": "s3e2e",
+            "store_uri": f"s3://{s3_server.bucket}/e2e"}
+    run_id = client.trigger(DAG, conf, run_id="s3-digits-1")["dag_run_id"]
+    run = client.wait_run(DAG, run_id, timeout=600)
+    states = {(t["task_id"], t["map_index"]): t["state"] for t in client.task_instances(DAG, run_id)}
+    assert run["state"] == "success", states
+
+    pointer = client.xcom(DAG, run_id, "checkpoint_sync", "checkpoint")
+    assert pointer["uri"] == f"s3://{s3_server.bucket}/e2e/s3e2e/{DAG}/{run_id}/step-00000300"
+    store = S3Store(s3_server.client(), s3_server.bucket, "e2e", tenant="s3e2e", dag_id=DAG, run_id=run_id)
+    assert store.steps() == [300]  # published at the end, pruned to keep_last
+    assert store.read_manifest(300)["world_size"] == 2
+    first = client.xcom(DAG, run_id, "evaluate", "metrics")
+
+    # The workspace loses its checkpoints; evaluate, cleared, finds the store's copy.
+    run_dir = Path(client.xcom(DAG, run_id, "provision", "run_dir"))
+    shutil.rmtree(run_dir / "checkpoints")
+    client.call("POST", f"/api/v2/dags/{DAG}/clearTaskInstances",
+                {"dry_run": False, "task_ids": ["evaluate"], "dag_run_id": run_id, "only_failed": False,
+                 "reset_dag_runs": True, "include_downstream": False})
+    run = client.wait_run(DAG, run_id, timeout=300)
+    assert run["state"] == "success"
+    again = client.xcom(DAG, run_id, "evaluate", "metrics")
+    assert again["weights_sha256"] == first["weights_sha256"] and again["step"] == 300
+    log = client.task_log(DAG, run_id, "evaluate", try_number=2)
+    assert "evaluating the store's step 300" in log
+
+    # The secret never shows in XComs, the run's conf or the task logs.
+    secret = s3_server.secret_key
+    for task in ("checkpoint_sync", "evaluate", "provision"):
+        assert secret not in client.task_log(DAG, run_id, task)
+    assert secret not in json.dumps(client.run(DAG, run_id))
+    assert secret not in json.dumps(pointer)

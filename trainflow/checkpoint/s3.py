@@ -1,0 +1,273 @@
+"""The S3 tier of the checkpoint store (boto3): S3 and S3-compatible stores (MinIO,
+SeaweedFS, Alibaba OSS, Huawei OBS, Tencent COS) through ``endpoint_url``.
+
+Layout: ``s3://<bucket>/<prefix>/<tenant>/<dag_id>/<run_id>/step-<s>/<files>``, the
+checkpoint's own files and its ``manifest.json`` uploaded **last**: an S3 checkpoint
+without a manifest is incomplete and never used. Integrity end to end:
+
+- upload: the local checkpoint verifies against its manifest first; every object (every
+  part of a multipart upload) carries its SHA-256, which the server checks on receipt;
+  afterwards each object's size, and a single-part object's SHA-256, are compared with
+  the manifest before the manifest is written;
+- download: into ``step-<s>.partial``, every file's SHA-256 checked against the
+  manifest, then renamed into place — a copy is complete and verified or absent.
+
+Transfers run through boto3's transfer manager (multipart, concurrent parts and files);
+throttling and 5xx answers are retried with exponential backoff by botocore's
+``standard`` retry mode. Credentials come from the caller (an Airflow Connection, read
+on the operator side) or boto3's standard chain — never from the spec, XComs or logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from trainflow.checkpoint import manifest
+from trainflow.errors import CheckpointError
+from trainflow.workspace import DAG_ID_PATTERN, RUN_ID_PATTERN, check_name
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+# Credential-bearing keys a caller may pass; the others are client settings.
+_SECRET_KEYS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """Multipart and concurrency settings (defaults suit checkpoint shards of 10 MB-10 GB)."""
+
+    multipart_threshold: int = 16 * MiB
+    chunk_size: int = 16 * MiB
+    concurrency: int = 8
+    max_attempts: int = 8  # per request, botocore's standard retry mode (throttling, 5xx)
+
+    def transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=self.multipart_threshold,
+                              multipart_chunksize=self.chunk_size, max_concurrency=self.concurrency,
+                              use_threads=True)
+
+
+def client(*, endpoint_url: str | None = None, region_name: str | None = None,
+           settings: TransferSettings = TransferSettings(), **credentials: str):
+    """A boto3 S3 client with retries and a connection pool sized for the concurrency.
+
+    ``credentials``: ``aws_access_key_id``/``aws_secret_access_key``/``aws_session_token``
+    (from an Airflow Connection); none: boto3's standard chain (environment, profile,
+    instance role). ``endpoint_url``: an S3-compatible store (or ``AWS_ENDPOINT_URL_S3``).
+    """
+    import boto3
+    from botocore.config import Config
+
+    unknown = set(credentials) - set(_SECRET_KEYS)
+    if unknown:
+        raise ValueError(f"unknown S3 client settings {sorted(unknown)}")
+    config = Config(retries={"mode": "standard", "max_attempts": settings.max_attempts},
+                    max_pool_connections=max(10, settings.concurrency * 2),
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                    s3={"addressing_style": "path"} if endpoint_url else None)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region_name or
+                                          os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                                          config=config, **{k: v for k, v in credentials.items() if v})
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` → (bucket, prefix without slashes).
+
+    Raises:
+        CheckpointError: not an s3 URI with a bucket.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise CheckpointError(f"not an S3 store URI: {uri!r}; use s3://bucket/prefix")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def _b64(hex_digest: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
+
+
+class S3Store:
+    """One run's checkpoints under ``s3://bucket/<prefix>/<tenant>/<dag>/<run>/``."""
+
+    def __init__(self, s3, bucket: str, prefix: str, *, tenant: str, dag_id: str, run_id: str,
+                 settings: TransferSettings = TransferSettings()) -> None:
+        parts = [p for p in prefix.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise CheckpointError(f"S3 prefix {prefix!r} must not contain '.' or '..'")
+        names = [check_name("tenant", tenant, TENANT_PATTERN), check_name("dag_id", dag_id, DAG_ID_PATTERN),
+                 check_name("run_id", run_id, RUN_ID_PATTERN)]
+        self.s3, self.bucket, self.settings = s3, bucket, settings
+        self.root = "/".join(parts + names)
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.root}"
+
+    def _key(self, step: int, rel: str = "") -> str:
+        return f"{self.root}/step-{step:08d}" + (f"/{rel}" if rel else "")
+
+    def _manager(self):
+        from boto3.s3.transfer import create_transfer_manager
+
+        return create_transfer_manager(self.s3, self.settings.transfer_config())
+
+    # -- listing ----------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps with a manifest in the store (committed uploads), newest first."""
+        found = set()
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.root + "/step-"):
+            for obj in page.get("Contents", []):
+                name, _, rest = obj["Key"][len(self.root) + 1:].partition("/")
+                if rest == manifest.MANIFEST and name[5:].isdigit():
+                    found.add(int(name[5:]))
+        return sorted(found, reverse=True)
+
+    def read_manifest(self, step: int) -> dict:
+        body = self.s3.get_object(Bucket=self.bucket, Key=self._key(step, manifest.MANIFEST))["Body"].read()
+        return json.loads(body)
+
+    # -- upload -----------------------------------------------------------------------
+    def upload(self, ref: manifest.CheckpointRef) -> dict[str, Any]:
+        """Upload the verified checkpoint ``ref``; idempotent (an upload with the same
+        manifest is kept). Returns ``{"step", "uri", "bytes", "seconds", "skipped"}``.
+
+        Raises:
+            CheckpointError: the local copy does not verify, or an object's size or digest
+                in the store differs from the manifest (the manifest is then not written).
+        """
+        local = Path(ref.path)
+        body = (local / manifest.MANIFEST).read_bytes()
+        try:
+            existing = self.s3.get_object(Bucket=self.bucket, Key=self._key(ref.step, manifest.MANIFEST))
+            if existing["Body"].read() == body:
+                return {"step": ref.step, "uri": self.uri + f"/step-{ref.step:08d}", "bytes": ref.bytes,
+                        "seconds": 0.0, "skipped": True}
+        except self.s3.exceptions.NoSuchKey:
+            pass
+        if manifest.verify(local, training_hash=ref.training_hash) is None:
+            raise CheckpointError(f"{local} does not verify against its manifest; not uploading it")
+        files = manifest.read_manifest(local)["files"]
+        t0 = time.perf_counter()
+        with self._manager() as tm:
+            futures = [tm.upload(str(local / rel), self.bucket, self._key(ref.step, rel),
+                                 extra_args={"ChecksumAlgorithm": "SHA256"}) for rel in sorted(files)]
+            for f in futures:
+                f.result()
+        self._check_uploaded(ref.step, files)
+        self.s3.put_object(Bucket=self.bucket, Key=self._key(ref.step, manifest.MANIFEST), Body=body,
+                           ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()))
+        return {"step": ref.step, "uri": self.uri + f"/step-{ref.step:08d}", "bytes": ref.bytes,
+                "seconds": time.perf_counter() - t0, "skipped": False}
+
+    def _check_uploaded(self, step: int, files: Mapping[str, Mapping[str, Any]]) -> None:
+        def head(rel: str) -> str | None:
+            h = self.s3.head_object(Bucket=self.bucket, Key=self._key(step, rel), ChecksumMode="ENABLED")
+            meta = files[rel]
+            if int(h["ContentLength"]) != int(meta["size"]):
+                return f"{rel}: {h['ContentLength']} bytes in the store, {meta['size']} in the manifest"
+            digest = h.get("ChecksumSHA256")
+            if digest and "-" not in digest and digest != _b64(meta["sha256"]):
+                return f"{rel}: SHA-256 in the store differs from the manifest"
+            return None
+        with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
+            problems = [p for p in pool.map(head, sorted(files)) if p]
+        if problems:
+            raise CheckpointError(f"upload of step {step} to {self.uri} does not match its manifest: "
+                                  + "; ".join(problems[:5]))
+
+    # -- download ---------------------------------------------------------------------
+    def download(self, step: int, dest_root: Path, *, training_hash: str | None = None) -> manifest.CheckpointRef:
+        """Fetch step ``step`` into ``dest_root/step-<s>`` verified (partial, then rename);
+        a local copy that already verifies with the same manifest is kept.
+
+        Raises:
+            CheckpointError: the copy does not verify (nothing is left in place).
+        """
+        dest_root = Path(dest_root)
+        body = self.s3.get_object(Bucket=self.bucket, Key=self._key(step, manifest.MANIFEST))["Body"].read()
+        dest = manifest.step_dir(dest_root, step)
+        if dest.exists():
+            ref = manifest.verify(dest, training_hash=training_hash)
+            if ref is not None and ref.manifest_sha256 == hashlib.sha256(body).hexdigest():
+                return ref
+        files = json.loads(body)["files"]
+        tmp = manifest.partial_dir(dest_root, step).with_name(f"step-{step:08d}.download-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            with self._manager() as tm:
+                futures = []
+                for rel in sorted(files):
+                    if ".." in Path(rel).parts or rel.startswith("/"):
+                        raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    futures.append(tm.download(self.bucket, self._key(step, rel), str(tmp / rel)))
+                for f in futures:
+                    f.result()
+            (tmp / manifest.MANIFEST).write_bytes(body)
+            ref = manifest.verify(tmp, training_hash=training_hash)
+            if ref is None:
+                raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
+                                      f"its manifest")
+            if dest.exists():
+                shutil.rmtree(dest, ignore_errors=True)
+            try:
+                os.rename(tmp, dest)
+            except OSError:  # another node fetched the same step at the same moment
+                done = manifest.verify(dest, training_hash=training_hash)
+                if done is None or done.manifest_sha256 != ref.manifest_sha256:
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        out = manifest.verify(dest, training_hash=training_hash)
+        assert out is not None
+        return out
+
+    def newest(self, dest_root: Path, *, training_hash: str | None = None,
+               world_size: int | None = None) -> manifest.CheckpointRef | None:
+        """Download and return the newest store checkpoint that verifies (and fits
+        ``training_hash``/``world_size``); older ones are tried when a newer one fails."""
+        for step in self.steps():
+            meta = self.read_manifest(step)
+            if training_hash is not None and meta.get("training_hash") != training_hash:
+                continue
+            if world_size is not None and meta.get("world_size") != world_size:
+                continue
+            try:
+                return self.download(step, dest_root, training_hash=training_hash)
+            except CheckpointError as exc:
+                log.warning("store checkpoint %s skipped: %s", step, exc)
+        return None
+
+    # -- retention --------------------------------------------------------------------
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the ``keep`` newest committed checkpoints (manifest first, so a
+        half-deleted one is already incomplete) and any upload without a manifest older
+        than the newest."""
+        steps = self.steps()
+        doomed = steps[keep:]
+        for step in doomed:
+            self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, manifest.MANIFEST))
+            keys = [o["Key"] for page in self.s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(step) + "/") for o in page.get("Contents", [])]
+            for i in range(0, len(keys), 1000):
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
+                                                                   "Quiet": True})
+        return doomed

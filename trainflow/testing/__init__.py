@@ -1,0 +1,1 @@
+"""Real servers the tests and benchmarks start on loopback (not used in production)."""
