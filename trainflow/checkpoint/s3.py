@@ -98,6 +98,12 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.strip("/")
 
 
+def _after(future, fn, *args):
+    """``fn(*args)`` once ``future`` is done (re-raising its error)."""
+    future.result()
+    return fn(*args)
+
+
 def _b64(hex_digest: str) -> str:
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
@@ -144,9 +150,11 @@ class S3Store:
         return json.loads(body)
 
     # -- upload -----------------------------------------------------------------------
-    def upload(self, ref: manifest.CheckpointRef) -> dict[str, Any]:
+    def upload(self, ref: manifest.CheckpointRef, *, verified: bool = False) -> dict[str, Any]:
         """Upload the verified checkpoint ``ref``; idempotent (an upload with the same
         manifest is kept). Returns ``{"step", "uri", "bytes", "seconds", "skipped"}``.
+        ``verified``: the caller verified ``ref`` against its manifest just now (the
+        checkpoint sync does, to choose it), so it is not hashed again.
 
         Raises:
             CheckpointError: the local copy does not verify, or an object's size or digest
@@ -161,7 +169,7 @@ class S3Store:
                         "seconds": 0.0, "skipped": True}
         except self.s3.exceptions.NoSuchKey:
             pass
-        if manifest.verify(local, training_hash=ref.training_hash) is None:
+        if not verified and manifest.verify(local, training_hash=ref.training_hash) is None:
             raise CheckpointError(f"{local} does not verify against its manifest; not uploading it")
         files = manifest.read_manifest(local)["files"]
         t0 = time.perf_counter()
@@ -212,20 +220,29 @@ class S3Store:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            with self._manager() as tm:
-                futures = []
+            # Each file is hashed as soon as it is down, while the others still download.
+            with self._manager() as tm, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as hashers:
+                pending = {}
                 for rel in sorted(files):
                     if ".." in Path(rel).parts or rel.startswith("/"):
                         raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    futures.append(tm.download(self.bucket, self._key(step, rel), str(tmp / rel)))
-                for f in futures:
-                    f.result()
-            (tmp / manifest.MANIFEST).write_bytes(body)
-            ref = manifest.verify(tmp, training_hash=training_hash)
-            if ref is None:
+                    pending[rel] = tm.download(self.bucket, self._key(step, rel), str(tmp / rel))
+                digests = {rel: hashers.submit(_after, fut, manifest.sha256_file, tmp / rel)
+                           for rel, fut in pending.items()}
+                bad = [rel for rel, d in digests.items()
+                       if d.result() != files[rel]["sha256"] or (tmp / rel).stat().st_size != files[rel]["size"]]
+            if bad:
                 raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
-                                      f"its manifest")
+                                      f"its manifest: {', '.join(sorted(bad)[:5])}")
+            (tmp / manifest.MANIFEST).write_bytes(body)
+            ref = manifest.CheckpointRef(step=step, path=str(dest), world_size=int(json.loads(body)["world_size"]),
+                                         training_hash=str(json.loads(body)["training_hash"]),
+                                         manifest_sha256=hashlib.sha256(body).hexdigest(),
+                                         bytes=sum(int(m["size"]) for m in files.values()))
+            if training_hash is not None and ref.training_hash != training_hash:
+                raise CheckpointError(f"step {step} in {self.uri} belongs to another training "
+                                      f"(hash {ref.training_hash}, not {training_hash})")
             if dest.exists():
                 shutil.rmtree(dest, ignore_errors=True)
             try:
@@ -236,9 +253,7 @@ class S3Store:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        out = manifest.verify(dest, training_hash=training_hash)
-        assert out is not None
-        return out
+        return ref
 
     def newest(self, dest_root: Path, *, training_hash: str | None = None,
                world_size: int | None = None) -> manifest.CheckpointRef | None:
