@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import sqlite3
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainflow import statedb
 from trainflow.cluster.hosts import CordonPolicy, HostRegistry
 from trainflow.errors import ChipUnavailableError, PreflightError
 
@@ -127,7 +127,7 @@ def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0, backend: str = 
 
         try:
             return Check("rendezvous", True, rdzv_db.reachable(endpoint, timeout=timeout))
-        except (ValueError, OSError, sqlite3.Error) as exc:
+        except (ValueError, OSError, *statedb.errors()) as exc:
             return Check("rendezvous", False, f"{endpoint} unusable from this host: {exc}")
     host, _, port = endpoint.rpartition(":")
     try:

@@ -69,13 +69,20 @@ def test_replacement_agent_joins_the_survivor_later(tmp_path, clean_digest, agen
     assert evaluate(tmp_path)["weights_sha256"] == clean_digest
 
 
-def test_losing_rank_0s_node_costs_only_that_node_on_the_database_rendezvous(tmp_path, clean_digest, agents):
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_losing_rank_0s_node_costs_only_that_node_on_the_database_rendezvous(
+        tmp_path, clean_digest, agents, database, request, monkeypatch):
     """Rank 0's node (whichever joined first) is killed with its whole tree: its agent, its
     workers and rank 0's store of the round. The other agent lives on, restarts its worker
-    and waits in the rendezvous until the replacement joins."""
+    and waits in the rendezvous until the replacement joins. On the embedded profile's
+    SQLite file and on the distributed profile's PostgreSQL database alike."""
+    if database == "postgres":
+        monkeypatch.setenv("TRAINFLOW_STATE_DB", request.getfixturevalue("pg_url"))
     spec = TrainingSpec(**BASE, faults=[{"kind": "kill_node", "rank": 0, "step": 150}])
     plan_path = prepare(spec, tmp_path)
-    assert json.loads(plan_path.read_text())["rendezvous"]["backend"] == "trainflow-db"
+    rendezvous = json.loads(plan_path.read_text())["rendezvous"]
+    assert rendezvous["backend"] == "trainflow-db"
+    assert rendezvous["endpoint"].startswith("postgresql://" if database == "postgres" else "sqlite:///")
     agents.extend(start_agent(plan_path, node, log_dir=tmp_path / "logs") for node in (0, 1))
     lost = _first_to_exit(agents)
     survivor = agents[1 - lost]

@@ -7,8 +7,8 @@ from trainflow.errors import AdmissionError, SpecError
 
 
 @pytest.fixture
-def alloc(tmp_path):
-    a = Allocator(tmp_path / "state.db")
+def alloc(state_target):
+    a = Allocator(state_target)
     a.set_pool("cpu", 4)
     return a
 

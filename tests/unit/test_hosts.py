@@ -15,8 +15,8 @@ POLICY = CordonPolicy(failures=3, window_s=60)
 
 
 @pytest.fixture
-def registry(tmp_path):
-    return HostRegistry(tmp_path / "state.db")
+def registry(state_target):
+    return HostRegistry(state_target)
 
 
 def test_failures_in_the_window_cordon_the_host(registry):

@@ -8,7 +8,6 @@ a crashed run never holds capacity for ever; ``release`` is idempotent.
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -38,9 +37,11 @@ class Lease:
     expires: float
 
 
-def default_db() -> Path:
-    home = os.environ.get("TRAINFLOW_HOME") or os.path.join(os.path.expanduser("~"), ".trainflow")
-    return Path(home) / "state.db"
+def default_db() -> str:
+    """trainflow's database: ``TRAINFLOW_STATE_DB`` or ``$TRAINFLOW_HOME/state.db``."""
+    from trainflow.statedb import default_target
+
+    return default_target()
 
 
 def embedded_capacity() -> int:
@@ -49,22 +50,24 @@ def embedded_capacity() -> int:
 
 
 class StateDB:
-    """A table set in trainflow's SQLite database (WAL, autocommit; explicit
-    ``BEGIN IMMEDIATE`` where a read-modify-write must be atomic); safe across processes.
-    Subclasses name their ``SCHEMA``."""
+    """A table set in trainflow's database (``trainflow.statedb``: SQLite in WAL mode or
+    PostgreSQL; autocommit, explicit ``BEGIN IMMEDIATE`` where a read-modify-write must be
+    atomic); safe across processes and hosts. Subclasses name their ``SCHEMA``."""
 
     SCHEMA = ""
 
-    def __init__(self, db: Path | None = None) -> None:
-        self.db = Path(db or default_db())
-        self.db.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, db: Path | str | None = None) -> None:
+        from trainflow.statedb import is_postgres, sqlite_path
+
+        target = str(db) if db is not None else default_db()
+        self.db = target if is_postgres(target) else sqlite_path(target)
         with closing(self._connect()) as con:
             con.executescript(self.SCHEMA)
 
-    def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.db, timeout=30, isolation_level=None)
-        con.execute("PRAGMA journal_mode=WAL")
-        return con
+    def _connect(self):
+        from trainflow.statedb import connect
+
+        return connect(self.db)
 
 
 class Allocator(StateDB):
@@ -132,7 +135,8 @@ class Allocator(StateDB):
             row = con.execute("SELECT pool FROM leases WHERE run_key=?", (run_key,)).fetchone()
             if row is None:
                 return
-            con.execute("UPDATE leases SET nodes = MAX(nodes - 1, 0) WHERE run_key=?", (run_key,))
+            con.execute("UPDATE leases SET nodes = CASE WHEN nodes > 0 THEN nodes - 1 ELSE 0 END "
+                        "WHERE run_key=?", (run_key,))
             con.execute("INSERT INTO offline VALUES (?, ?, ?, ?)", (row[0], run_key, until, reason))
 
     def offline(self, pool: str, now: float | None = None) -> int:

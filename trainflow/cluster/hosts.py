@@ -85,7 +85,7 @@ class HostRegistry(StateDB):
                                      (host, now - policy.window_s)).fetchone()[0]
                 if recent >= policy.failures:
                     why = f"{recent} failures in {policy.window_s:g}s, last: {reason[:300]}"
-                    con.execute("INSERT OR IGNORE INTO cordons VALUES (?, ?, ?)", (host, now, why))
+                    con.execute("INSERT INTO cordons VALUES (?, ?, ?) ON CONFLICT DO NOTHING", (host, now, why))
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
@@ -95,7 +95,7 @@ class HostRegistry(StateDB):
     def cordon(self, host: str, *, reason: str, now: float | None = None) -> Cordon:
         now = time.time() if now is None else now
         with closing(self._connect()) as con:
-            con.execute("INSERT OR IGNORE INTO cordons VALUES (?, ?, ?)", (host, now, reason[:500]))
+            con.execute("INSERT INTO cordons VALUES (?, ?, ?) ON CONFLICT DO NOTHING", (host, now, reason[:500]))
         return self.cordoned(host)
 
     def uncordon(self, host: str) -> bool:
@@ -114,8 +114,9 @@ class HostRegistry(StateDB):
         a gang whose nproc_per_node no registered host of its queue can give."""
         now = time.time() if now is None else now
         with closing(self._connect()) as con:
-            con.execute("INSERT OR REPLACE INTO inventory VALUES (?, ?, ?, ?, ?)",
-                        (host, queue, family, int(devices), now))
+            con.execute("INSERT INTO inventory VALUES (?, ?, ?, ?, ?) ON CONFLICT (host) DO UPDATE SET "
+                        "queue=excluded.queue, family=excluded.family, devices=excluded.devices, "
+                        "time=excluded.time", (host, queue, family, int(devices), now))
 
     def inventory(self, queue: str | None = None) -> list[dict]:
         """Registered hosts (of ``queue``), most devices first."""

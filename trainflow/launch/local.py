@@ -36,8 +36,10 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
             rdzv_backend: str = "trainflow-db") -> Path:
     """Write spec.json and plan.json into ``run_dir``; return the plan's path.
 
-    The gang's rendezvous is a database in the run's workspace (every node of an embedded
-    gang shares this machine's disk), emptied here: a cleared run starts a fresh gang.
+    The gang's rendezvous is trainflow's PostgreSQL database when ``TRAINFLOW_STATE_DB``
+    names one (the distributed profile), else a database in the run's workspace (every node
+    of an embedded gang shares this machine's disk); its rows are emptied here, so a cleared
+    run starts a fresh gang.
     ``rdzv_backend="c10d"`` puts it on torch's store on a free loopback port instead (for
     comparisons: it is lost with the node that hosts it).
     """
@@ -50,8 +52,18 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
     for stale in (COMPLETE, GROW_ACK, *(p.name for p in (run_dir / "control").glob(GROW_REQUEST_GLOB))):
         (run_dir / "control" / stale).unlink(missing_ok=True)  # of an earlier try of this run
     if rdzv_backend == rdzv_db.BACKEND:
-        endpoint = rdzv_db.endpoint(run_dir / "rendezvous.db")
-        rdzv_db.purge(run_dir / "rendezvous.db", rendezvous_id(spec.tenant, dag_id, run_id))
+        from trainflow.statedb import default_target, is_postgres, redact
+
+        state = default_target()
+        if is_postgres(state):  # distributed: the rendezvous on trainflow's PostgreSQL database
+            if redact(state) != state:
+                raise ValueError(f"TRAINFLOW_STATE_DB={redact(state)} carries a password, which would land "
+                                 f"in the run's plan (an XCom); give it through PGPASSWORD or ~/.pgpass")
+            db = state
+        else:  # embedded: a database in the run's workspace
+            db = run_dir / "rendezvous.db"
+        endpoint = rdzv_db.endpoint(db)
+        rdzv_db.purge(db, rendezvous_id(spec.tenant, dag_id, run_id))
     else:
         endpoint = f"127.0.0.1:{free_port()}"
     plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(run_dir),

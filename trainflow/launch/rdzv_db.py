@@ -16,7 +16,8 @@ it lives as long as that round does. Rows are keyed by the rendezvous id and del
 when the run ends (``purge``).
 
 Use: ``register()`` in the agent process, then ``rdzv_backend="trainflow-db"`` with the
-database as the endpoint (``sqlite:////abs/path.db``).
+database as the endpoint: ``sqlite:////abs/path.db`` (embedded) or a PostgreSQL URL
+``postgresql://user@host/trainflow`` (distributed: every host reaches it, ``trainflow.statedb``).
 
 One change to torch's handler: ``shutdown`` leaves the rendezvous instead of closing it.
 torch closes a rendezvous for good when any agent ends, so a node task retried after its
@@ -27,7 +28,6 @@ decide when a run is over.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from contextlib import closing, contextmanager
 from datetime import timedelta
@@ -51,41 +51,48 @@ _UPSERT = ("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
 POLL_S = 0.01
 
 
-def endpoint(db: Path) -> str:
-    """The rendezvous endpoint naming database ``db``."""
-    return f"sqlite:///{Path(db).resolve()}"
+def endpoint(db: Path | str) -> str:
+    """The rendezvous endpoint naming database ``db`` (a path, or a PostgreSQL URL)."""
+    from trainflow.statedb import is_postgres
+
+    return str(db) if is_postgres(db) else f"sqlite:///{Path(db).resolve()}"
 
 
-def database(endpoint: str) -> Path:
-    """The database an endpoint names.
+def database(endpoint: str) -> Path | str:
+    """The database an endpoint names (a path for SQLite, the URL for PostgreSQL).
 
     Raises:
-        ValueError: not a ``sqlite:///`` endpoint (naming the value and the form).
+        ValueError: neither a ``sqlite:///`` nor a ``postgresql://`` endpoint.
     """
+    from trainflow.statedb import is_postgres
+
+    if is_postgres(endpoint):
+        return endpoint
     if not endpoint.startswith("sqlite:///"):
         raise ValueError(f"rendezvous endpoint {endpoint!r} is not a database trainflow-db can use: "
-                         f"expected sqlite:////absolute/path.db")
+                         f"expected sqlite:////absolute/path.db or postgresql://user@host/db")
     return Path(endpoint[len("sqlite:///"):])
 
 
 def reachable(endpoint: str, timeout: float = 5.0) -> str:
     """Open the database and read from it; returns a description (raises if it cannot)."""
+    from trainflow.statedb import redact
+
     db = database(endpoint)
     ensure_schema(db)
-    with closing(sqlite3.connect(db, timeout=timeout)) as con:
+    with closing(_connect(db, timeout=timeout)) as con:
         con.execute("SELECT COUNT(*) FROM rdzv_state").fetchone()
-    return f"rendezvous database {db} answers"
+    return f"rendezvous database {redact(db)} answers"
 
 
-def _connect(db: Path) -> sqlite3.Connection:
-    con = sqlite3.connect(db, timeout=30, isolation_level=None, check_same_thread=False)
-    con.execute("PRAGMA journal_mode=WAL")
-    con.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across process deaths, not power loss
-    return con
+def _connect(db: Path | str, timeout: float = 30.0):
+    from trainflow.statedb import connect
+
+    return connect(db, timeout=timeout)
 
 
 @contextmanager
-def _transaction(con: sqlite3.Connection):
+def _transaction(con):
     """A write transaction taken at once (``BEGIN IMMEDIATE``): committed, or rolled back on error."""
     con.execute("BEGIN IMMEDIATE")
     try:
@@ -96,15 +103,16 @@ def _transaction(con: sqlite3.Connection):
         raise
 
 
-def ensure_schema(db: Path) -> None:
-    Path(db).parent.mkdir(parents=True, exist_ok=True)
+def ensure_schema(db: Path | str) -> None:
     with closing(_connect(db)) as con:
         con.executescript(_SCHEMA)
 
 
-def purge(db: Path, run_id: str) -> int:
+def purge(db: Path | str, run_id: str) -> int:
     """Delete a finished rendezvous' rows; returns how many went."""
-    if not Path(db).exists():
+    from trainflow.statedb import is_postgres
+
+    if not is_postgres(db) and not Path(db).exists():
         return 0
     with closing(_connect(db)) as con:
         con.executescript(_SCHEMA)
@@ -127,8 +135,8 @@ def _store_base():
 class DBRendezvousBackend(_backend_base()):
     """Rendezvous state by compare-and-set on ``rdzv_state.version`` (the fencing token)."""
 
-    def __init__(self, db: Path, run_id: str) -> None:
-        self.db, self.run_id = Path(db), run_id
+    def __init__(self, db: Path | str, run_id: str) -> None:
+        self.db, self.run_id = db, run_id
         ensure_schema(self.db)
         self._con = _connect(self.db)
 
@@ -144,7 +152,7 @@ class DBRendezvousBackend(_backend_base()):
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool]:
         with _transaction(self._con) as con:
             if token is None:
-                written = con.execute("INSERT OR IGNORE INTO rdzv_state VALUES (?, ?, 1)",
+                written = con.execute("INSERT INTO rdzv_state VALUES (?, ?, 1) ON CONFLICT DO NOTHING",
                                       (self.run_id, state)).rowcount == 1
             else:
                 written = con.execute(
@@ -162,15 +170,17 @@ class DBStore(_store_base()):
     ``get`` and ``wait`` block, polling every ``POLL_S``, until the keys exist or the
     store's timeout passes, then raise ``DistStoreError`` (as TCPStore does)."""
 
-    def __init__(self, db: Path, run_id: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+    def __init__(self, db: Path | str, run_id: str, timeout: timedelta = timedelta(seconds=300)) -> None:
         super().__init__()  # the pybind trampoline needs it
-        self.db, self.run_id = Path(db), run_id
+        self.db, self.run_id = db, run_id
         ensure_schema(self.db)
         self._con = _connect(self.db)
         self.set_timeout(timeout)
 
     # -- reads and writes -------------------------------------------------------------
     def _read(self, keys: list[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
         marks = ",".join("?" * len(keys))
         rows = self._con.execute(f"SELECT key, value FROM rdzv_kv WHERE run_id = ? AND key IN ({marks})",
                                  (self.run_id, *keys)).fetchall()
