@@ -39,6 +39,15 @@ class EmbeddedStack:
         port: api-server port on 127.0.0.1.
         parallelism: LocalExecutor slots (each pre-forks a process: keep it small).
         node_slots: nodes the embedded allocator pool may hand out at once.
+        database_url: Airflow's metadata database (empty: SQLite in ``home``), e.g.
+            ``postgresql+psycopg2://airflow@127.0.0.1:5432/airflow``.
+        broker_url: a Celery broker (``redis://127.0.0.1:6379/0``): the CeleryExecutor with
+            ``workers`` instead of the LocalExecutor (needs ``database_url``, which also
+            holds Celery's results).
+        state_db: trainflow's own database (``TRAINFLOW_STATE_DB``; empty: SQLite in
+            ``trainflow_home``).
+        workers: Celery workers to run, each ``{"name", "queues", "concurrency", "env"}``;
+            ``name`` becomes the worker's ``TRAINFLOW_HOST`` (a "host" of the cluster).
     """
 
     home: Path = field(default_factory=lambda: REPO / ".airflow")
@@ -49,6 +58,21 @@ class EmbeddedStack:
     parallelism: int = 8
     node_slots: int = 4
     extra_env: dict[str, str] = field(default_factory=dict)
+    database_url: str = ""
+    broker_url: str = ""
+    state_db: str = ""
+    workers: tuple = ()
+
+    def __post_init__(self) -> None:
+        if self.broker_url and not self.database_url:
+            raise ValueError("the CeleryExecutor (broker_url) needs database_url: Celery keeps its "
+                             "results there, and SQLite cannot serve several worker hosts")
+        if self.workers and not self.broker_url:
+            raise ValueError("workers are Celery workers: set broker_url")
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return COMPONENTS + tuple(f"worker-{w['name']}" for w in self.workers)
 
     @property
     def url(self) -> str:
@@ -100,8 +124,22 @@ class EmbeddedStack:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
             "AIRFLOW__TRIGGERER__DEFAULT_CAPACITY": "100",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-            **self.extra_env,
         }
+        if self.database_url:
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database_url
+        if self.broker_url:
+            env.update({
+                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
+                # SQLAlchemy 2.1 needs the driver named (DESIGN.md §3).
+                "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url,
+                # Longer than the longest training task, or Redis redelivers a running node task.
+                "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "604800",
+                "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
+            })
+        if self.state_db:
+            env["TRAINFLOW_STATE_DB"] = self.state_db
+        env.update(self.extra_env)
         return env
 
     def _airflow(self) -> str:
@@ -128,15 +166,31 @@ class EmbeddedStack:
         subprocess.run([self._airflow(), "db", "migrate"], env=self.env(), check=True,
                        stdout=open(self.home / "logs" / "db-migrate.log", "ab"), stderr=subprocess.STDOUT)
 
+    def _command(self, component: str) -> tuple[list[str], dict[str, str]]:
+        env = self.env()
+        if not component.startswith("worker-"):
+            return [self._airflow(), component], env
+        worker = next(w for w in self.workers if f"worker-{w['name']}" == component)
+        from trainflow.launch.local import free_port
+
+        env.update({"TRAINFLOW_HOST": worker["name"],
+                    # each worker serves its task logs on a port of its own
+                    "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                    **worker.get("env", {})})
+        return [self._airflow(), "celery", "worker", "--queues", worker["queues"],
+                "--concurrency", str(worker.get("concurrency", 4)),
+                "--celery-hostname", f"{worker['name']}@%h",
+                "--pid", str(self.home / "run" / f"celery-{worker['name']}.pid")], env
+
     def start(self) -> list[str]:
         """Start every component that is not running; return the ones started."""
         started = []
-        env = self.env()
-        for component in COMPONENTS:
+        for component in self.components:
             if self.pid(component):
                 continue
+            cmd, env = self._command(component)
             log = open(self.home / "logs" / f"{component}.log", "ab")
-            proc = subprocess.Popen([self._airflow(), component], env=env, stdout=log,
+            proc = subprocess.Popen(cmd, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=self.home,
                                     preexec_fn=lambda: os.nice(CONTROL_PLANE_NICE))
@@ -161,7 +215,7 @@ class EmbeddedStack:
     def wait_healthy(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while not self.healthy():
-            dead = [c for c in COMPONENTS if not self.pid(c)]
+            dead = [c for c in self.components if not self.pid(c)]
             if dead:
                 raise RuntimeError(f"components exited: {dead}; see {self.home / 'logs'}")
             if time.time() > deadline:
@@ -194,7 +248,7 @@ class EmbeddedStack:
         from trainflow.proctree import signal_tree
 
         stopped = []
-        for component in COMPONENTS:
+        for component in self.components:
             pid = self.pid(component)
             if pid is None:
                 self._pidfile(component).unlink(missing_ok=True)
