@@ -45,7 +45,7 @@ def describe(event: dict) -> str | None:
 
 
 def _stack(port: int) -> EmbeddedStack:
-    return EmbeddedStack(port=port)
+    return EmbeddedStack.from_env(port=port)  # TRAINFLOW_PROFILE=embedded|distributed
 
 
 def progress_line(beats: dict[int, dict], world: int) -> str:

@@ -63,6 +63,39 @@ class EmbeddedStack:
     state_db: str = ""
     workers: tuple = ()
 
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **kw) -> "EmbeddedStack":
+        """The profile the environment selects: ``TRAINFLOW_PROFILE=embedded`` (default:
+        SQLite + LocalExecutor) or ``distributed``: Airflow on ``TRAINFLOW_AIRFLOW_DB``
+        (``postgresql+psycopg2://…``), the CeleryExecutor on ``TRAINFLOW_BROKER_URL``
+        (``redis://…``), trainflow's state on ``TRAINFLOW_STATE_DB`` (``postgresql://…``),
+        and ``TRAINFLOW_WORKERS`` local Celery workers (``name=queues`` words, default
+        ``control=default cpu-1=cpu cpu-2=cpu``; on a cluster, workers run on their hosts).
+
+        Raises:
+            ValueError: an unknown profile, or a distributed one missing a URL (named).
+        """
+        env = os.environ if env is None else env
+        profile = env.get("TRAINFLOW_PROFILE", "embedded")
+        if profile == "embedded":
+            return cls(**kw)
+        if profile != "distributed":
+            raise ValueError(f"TRAINFLOW_PROFILE={profile!r}: use embedded or distributed")
+        missing = [k for k in ("TRAINFLOW_AIRFLOW_DB", "TRAINFLOW_BROKER_URL", "TRAINFLOW_STATE_DB") if not env.get(k)]
+        if missing:
+            raise ValueError(f"TRAINFLOW_PROFILE=distributed needs {', '.join(missing)} (e.g. "
+                             f"postgresql+psycopg2://postgres@127.0.0.1:5432/airflow, redis://127.0.0.1:6379/0, "
+                             f"postgresql://postgres@127.0.0.1:5432/trainflow)")
+        workers = []
+        for word in env.get("TRAINFLOW_WORKERS", "control=default cpu-1=cpu cpu-2=cpu").split():
+            name, _, queues = word.partition("=")
+            if not name or not queues:
+                raise ValueError(f"TRAINFLOW_WORKERS: {word!r} is not name=queue[,queue]")
+            workers.append({"name": name, "queues": queues,
+                            "concurrency": 4 if "default" in queues.split(",") else 1})
+        return cls(database_url=env["TRAINFLOW_AIRFLOW_DB"], broker_url=env["TRAINFLOW_BROKER_URL"],
+                   state_db=env["TRAINFLOW_STATE_DB"], workers=tuple(workers), **kw)
+
     def __post_init__(self) -> None:
         if self.broker_url and not self.database_url:
             raise ValueError("the CeleryExecutor (broker_url) needs database_url: Celery keeps its "

@@ -83,3 +83,22 @@ def test_a_password_in_the_state_url_is_kept_out_of_the_plan(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"carries a password.*PGPASSWORD") as err:
         prepare(TrainingSpec(), tmp_path / "run")
     assert "hunter2" not in str(err.value)
+
+
+def test_the_profile_switch():
+    from trainflow.stack import EmbeddedStack
+
+    assert EmbeddedStack.from_env({}).broker_url == ""
+    env = {"TRAINFLOW_PROFILE": "distributed", "TRAINFLOW_AIRFLOW_DB": "postgresql+psycopg2://p@h/a",
+           "TRAINFLOW_BROKER_URL": "redis://h:6379/0", "TRAINFLOW_STATE_DB": "postgresql://p@h/t"}
+    stack = EmbeddedStack.from_env(env)
+    assert [w["name"] for w in stack.workers] == ["control", "cpu-1", "cpu-2"]
+    assert stack.env()["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert stack.env()["AIRFLOW__CELERY__RESULT_BACKEND"] == "db+postgresql+psycopg2://p@h/a"
+    assert stack.env()["TRAINFLOW_STATE_DB"] == "postgresql://p@h/t"
+    with pytest.raises(ValueError, match="needs TRAINFLOW_BROKER_URL"):
+        EmbeddedStack.from_env({k: v for k, v in env.items() if k != "TRAINFLOW_BROKER_URL"})
+    with pytest.raises(ValueError, match="TRAINFLOW_PROFILE='cluster'"):
+        EmbeddedStack.from_env({"TRAINFLOW_PROFILE": "cluster"})
+    with pytest.raises(ValueError, match="workers are Celery workers"):
+        EmbeddedStack(workers=({"name": "a", "queues": "cpu"},))
