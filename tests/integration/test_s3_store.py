@@ -160,3 +160,17 @@ def test_store_uris_are_validated():
             TrainingSpec.from_mapping({"store_uri": bad})
     with pytest.raises(CheckpointError, match="must not contain"):
         S3Store(None, "b", "a/../c", tenant="t", dag_id="d", run_id="r")
+
+
+def test_the_server_refuses_bytes_that_do_not_match_the_manifest(tmp_path, s3_server):
+    """A single-part object goes up with the manifest's SHA-256: a local file that changed
+    after its manifest was written is refused by the server itself, and no manifest lands."""
+    store = _store(s3_server.client(settings=SMALL), s3_server, "run-8")
+    ref = _checkpoint(tmp_path / "local", 10, big=1000)
+    shard = Path(ref.path) / "__1_0.distcp"
+    shard.write_bytes(os.urandom(shard.stat().st_size))  # same size, other bytes
+    with pytest.raises(botocore.exceptions.ClientError, match="BadDigest|InvalidDigest|XAmzContentSHA256Mismatch"):
+        store.upload(ref, verified=True)  # told it was verified: the server still catches it
+    assert store.steps() == []
+    with pytest.raises(CheckpointError, match="does not verify against its manifest; not uploading"):
+        store.upload(ref)  # not told: the local check catches it first

@@ -5,10 +5,11 @@ Layout: ``s3://<bucket>/<prefix>/<tenant>/<dag_id>/<run_id>/step-<s>/<files>``, 
 checkpoint's own files and its ``manifest.json`` uploaded **last**: an S3 checkpoint
 without a manifest is incomplete and never used. Integrity end to end:
 
-- upload: the local checkpoint verifies against its manifest first; every object (every
-  part of a multipart upload) carries its SHA-256, which the server checks on receipt;
-  afterwards each object's size, and a single-part object's SHA-256, are compared with
-  the manifest before the manifest is written;
+- upload: the local checkpoint verifies against its manifest first (or the caller just
+  verified it); a single-part object is sent with the manifest's SHA-256, which the server
+  checks against what it stored; a multipart object's parts each carry a CRC32 the server
+  checks on receipt; afterwards every object's size (and a single-part object's SHA-256)
+  is compared with the manifest before the manifest is written;
 - download: into ``step-<s>.partial``, every file's SHA-256 checked against the
   manifest, then renamed into place — a copy is complete and verified or absent.
 
@@ -175,7 +176,7 @@ class S3Store:
         t0 = time.perf_counter()
         with self._manager() as tm:
             futures = [tm.upload(str(local / rel), self.bucket, self._key(ref.step, rel),
-                                 extra_args={"ChecksumAlgorithm": "SHA256"}) for rel in sorted(files)]
+                                 extra_args=self._checksum_args(files[rel])) for rel in sorted(files)]
             for f in futures:
                 f.result()
         self._check_uploaded(ref.step, files)
@@ -183,6 +184,16 @@ class S3Store:
                            ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()))
         return {"step": ref.step, "uri": self.uri + f"/step-{ref.step:08d}", "bytes": ref.bytes,
                 "seconds": time.perf_counter() - t0, "skipped": False}
+
+    def _checksum_args(self, meta: Mapping[str, Any]) -> dict[str, str]:
+        """A single-part object carries the manifest's own SHA-256: the server refuses it
+        unless the bytes it stored hash to exactly that (no hashing on this side). A
+        multipart object carries a CRC32 per part, checked by the server as each part
+        arrives (SHA-256 has no whole-object form for multipart uploads); the manifest's
+        SHA-256 is checked on every download before a checkpoint is used."""
+        if int(meta["size"]) < self.settings.multipart_threshold:
+            return {"ChecksumSHA256": _b64(meta["sha256"])}
+        return {"ChecksumAlgorithm": "CRC32"}
 
     def _check_uploaded(self, step: int, files: Mapping[str, Mapping[str, Any]]) -> None:
         def head(rel: str) -> str | None:
