@@ -10,7 +10,6 @@ their own, and killing a worker mid-run."""
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
@@ -45,8 +44,6 @@ def dist_stack(tmp_path_factory, s3_server):
     admin.cursor().execute(f"CREATE DATABASE {state}")
     redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
     root = tmp_path_factory.mktemp("dist")
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint_url}}
     stack = EmbeddedStack(
         home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
         database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
@@ -55,7 +52,7 @@ def dist_stack(tmp_path_factory, s3_server):
         workers=({"name": "host-a", "queues": "cpu", "concurrency": 1},
                  {"name": "host-b", "queues": "cpu", "concurrency": 1},
                  {"name": "control", "queues": "default", "concurrency": 4}),
-        extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": json.dumps(conn)})
+        extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
     try:
         stack.up(timeout=300)
         yield stack
@@ -67,17 +64,13 @@ def dist_stack(tmp_path_factory, s3_server):
         redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB).flushdb()
 
 
-def test_a_gang_runs_across_celery_hosts_on_postgres_and_redis(dist_stack, s3_server):
+def test_a_gang_runs_across_celery_hosts_on_postgres_and_redis(dist_stack, s3_server, run_to_end):
     client = dist_stack.client()
-    client.wait_for_dag(DAG, timeout=180)
-    client.unpause(DAG)
     conf = {"steps": 200, "checkpoint_interval": 100, "keep_last": 2, "tenant": "dist",
             "store_uri": f"s3://{s3_server.bucket}/dist"}
-    run_id = client.trigger(DAG, conf, run_id="dist-digits-1")["dag_run_id"]
-    run = client.wait_run(DAG, run_id, timeout=900)
+    run_id = "dist-digits-1"
+    run_to_end(client, DAG, conf, run_id, timeout=900)
     tis = client.task_instances(DAG, run_id)
-    states = {(t["task_id"], t["map_index"]): t["state"] for t in tis}
-    assert run["state"] == "success", states
     queues = {(t["task_id"], t["map_index"]): t["queue"] for t in tis}
     assert queues[("shard_train", 0)] == queues[("shard_train", 1)] == "cpu"
     assert queues[("provision", -1)] == queues[("evaluate", -1)] == "default"

@@ -22,10 +22,8 @@ DAG = "train_digits"
 @pytest.fixture(scope="module")
 def s3_stack(tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("s3stack")
-    conn = {"conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
     s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": json.dumps(conn)})
+                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
     try:
         s.up(timeout=240)
         yield s
@@ -33,16 +31,12 @@ def s3_stack(tmp_path_factory, s3_server):
         s.stop()
 
 
-def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server):
+def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, run_to_end):
     client = s3_stack.client()
-    client.wait_for_dag(DAG, timeout=120)
-    client.unpause(DAG)
     conf = {"steps": 300, "checkpoint_interval": 100, "keep_last": 2, "tenant": "s3e2e",
             "store_uri": f"s3://{s3_server.bucket}/e2e"}
-    run_id = client.trigger(DAG, conf, run_id="s3-digits-1")["dag_run_id"]
-    run = client.wait_run(DAG, run_id, timeout=600)
-    states = {(t["task_id"], t["map_index"]): t["state"] for t in client.task_instances(DAG, run_id)}
-    assert run["state"] == "success", states
+    run_id = "s3-digits-1"
+    run_to_end(client, DAG, conf, run_id, timeout=600)
 
     pointer = client.xcom(DAG, run_id, "checkpoint_sync", "checkpoint")
     assert pointer["uri"] == f"s3://{s3_server.bucket}/e2e/s3e2e/{DAG}/{run_id}/step-00000300"

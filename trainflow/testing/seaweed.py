@@ -82,6 +82,11 @@ class SeaweedS3:
                     raise RuntimeError(f"SeaweedFS S3 did not answer on {self.endpoint_url}: {exc}") from exc
                 time.sleep(0.3)
 
+    def airflow_connection(self) -> str:
+        """The server as an Airflow connection (``AIRFLOW_CONN_<ID>`` JSON)."""
+        return json.dumps({"conn_type": "aws", "login": self.access_key, "password": self.secret_key,
+                           "extra": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"}})
+
     def client(self, **kw):
         from trainflow.checkpoint.s3 import client
 
