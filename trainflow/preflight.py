@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,44 +54,14 @@ def chip_extension(family) -> None:
 
 
 def chip_health(family, *, timeout: float = 30.0) -> Check:
-    """Run the family's health command in a subprocess (exit 0 = healthy)."""
-    if not family.health_cmd:
-        return Check("chip_health", True, f"{family.name}: no health command (nothing to check)")
-    try:
-        done = subprocess.run(list(family.health_cmd), capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        env = f"TRAINFLOW_CHIP_{family.name.upper().replace('-', '_')}_HEALTH_CMD"
-        return Check("chip_health", False, f"{family.name}: health command {family.health_cmd[0]!r} "
-                     f"not found; install the vendor tools or set {env}{_NOT_INSTALLED}")
-    except subprocess.TimeoutExpired:
-        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} "
-                     f"did not answer in {timeout:g}s")
-    tail = (done.stderr or done.stdout).strip()[-300:]
-    if done.returncode != 0:
-        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)} exited "
-                     f"{done.returncode}: {tail}")
-    devices = listed_devices(family, done.stdout)
-    if devices is None:
-        return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok")
-    sick = [d for d in devices if d.healthy is False]
-    if sick or not devices:
-        return Check("chip_health", False, f"{family.name}: {' '.join(family.health_cmd)}: "
-                     + ("lists no devices" if not devices else
-                        "unhealthy devices " + ", ".join(f"{d.index} ({d.detail})" for d in sick)),
-                     devices=len(devices))
-    return Check("chip_health", True, f"{family.name}: {' '.join(family.health_cmd)} ok, "
-                 f"{len(devices)} device(s)", devices=len(devices))
+    """Run the family's health command in a subprocess (``doctor.run_cli``: exit 0 and,
+    where its output parses, no unhealthy device listed)."""
+    from trainflow.chips.doctor import run_cli
 
-
-def listed_devices(family, text: str):
-    """The devices the family's CLI output lists, or None where it cannot be parsed (an
-    overridden command; the exit status alone then decides)."""
-    from trainflow.chips import parsers
-
-    try:
-        return parsers.parse(family.name, text)
-    except (parsers.ParseError, KeyError):
-        return None
+    probe = run_cli(family, family.health_cmd, timeout=timeout, field_name="health_cmd")
+    where = f"{family.name}: {probe.command}: " if probe.command else f"{family.name}: "
+    return Check("chip_health", probe.ok, where + probe.detail + (_NOT_INSTALLED if probe.missing else ""),
+                 devices=len(probe.devices) if probe.parsed else None)
 
 
 def device_count(family, devices: int | None, nproc: int) -> Check | None:

@@ -59,7 +59,7 @@ def test_doctor_exits_1_on_an_unhealthy_device_and_names_it(tmp_path):
     assert done.returncode == 1
     report = json.loads(done.stdout)
     assert report["healthy"] is False and report["queue"] == "ascend-910b"
-    assert report["health"]["detail"] == "unhealthy: 3 (Health Warning)"
+    assert report["health"]["detail"] == "unhealthy devices 3 (Health Warning)"
 
 
 def test_doctor_exits_1_when_the_vendor_cli_fails_or_is_missing(tmp_path):

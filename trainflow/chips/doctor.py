@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from trainflow.chips import parsers
 from trainflow.chips.detect import Detection, detect
-from trainflow.chips.registry import ChipFamily, get_family, queue_for
+from trainflow.chips.registry import ChipFamily, env_key, get_family, queue_for
 
 
 @dataclass
@@ -27,11 +27,14 @@ class Probe:
     detail: str
     devices: list[parsers.Device] = field(default_factory=list)
     parsed: bool = False
+    missing: bool = False  # the command is not installed (a host setup error, not a chip fault)
 
 
 def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float = 30.0,
-            runner: Callable[..., Any] = subprocess.run) -> Probe:
-    """Run a vendor command and parse its output with the family's parser."""
+            runner: Callable[..., Any] = subprocess.run, field_name: str = "inventory_cmd") -> Probe:
+    """Run a vendor command in a subprocess and parse its output with the family's parser:
+    healthy when it exits 0 and, where its output parses, lists devices, none unhealthy.
+    ``field_name`` names the registry field whose override the not-found message suggests."""
     if not cmd:
         return Probe("", True, "no command for this family (nothing to check)")
     text = " ".join(shlex.quote(c) for c in cmd)
@@ -39,7 +42,7 @@ def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float =
         done = runner(list(cmd), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         return Probe(text, False, f"{cmd[0]!r} not found; install the vendor tools or set "
-                     f"TRAINFLOW_CHIP_{family.name.upper().replace('-', '_')}_INVENTORY_CMD")
+                     f"{env_key(family.name, field_name)}", missing=True)
     except subprocess.TimeoutExpired:
         return Probe(text, False, f"did not answer in {timeout:g}s")
     if done.returncode != 0:
@@ -53,7 +56,7 @@ def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float =
     if not devices:
         return Probe(text, False, "lists no devices", parsed=True)
     if sick:
-        return Probe(text, False, "unhealthy: " + ", ".join(f"{d.index} ({d.detail})" for d in sick),
+        return Probe(text, False, "unhealthy devices " + ", ".join(f"{d.index} ({d.detail})" for d in sick),
                      devices, parsed=True)
     return Probe(text, True, f"{len(devices)} device(s)", devices, parsed=True)
 
@@ -74,7 +77,7 @@ def examine(*, explicit: str | None = None, queue: str | None = None, model: str
         model = queue[len(family.name) + 1:]
     inventory = run_cli(family, family.inventory_cmd, runner=runner)
     health = (inventory if family.health_cmd == family.inventory_cmd
-              else run_cli(family, family.health_cmd, runner=runner))
+              else run_cli(family, family.health_cmd, runner=runner, field_name="health_cmd"))
     count = len(inventory.devices) if inventory.parsed else found.devices
     q = queue_for(family.name, model)
     healthy = health.ok and inventory.ok and (not family.has_devices or bool(count))
