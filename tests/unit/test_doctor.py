@@ -170,3 +170,19 @@ def test_a_missing_extension_names_the_package_and_the_queue():
     with pytest.raises(ChipUnavailableError, match=r"needs the 'torch_npu' extension.*serve queue 'ascend-910b'"):
         preflight.chip_extension(get_family("ascend", env={}))
     assert os.environ.get("TRAINFLOW_CHIP") is None
+
+
+def test_gpu_check_skips_with_the_reason_where_there_is_no_gpu(tmp_path):
+    """bench/gpu_check exits 77 (skipped) and says why on a host without an NVIDIA GPU; on a
+    GPU host it trains (run by hand, results in bench/results/gpu_check.json)."""
+    import shutil
+
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
+        pytest.skip("an NVIDIA host: run bench/gpu_check.py itself")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(repo / "bench" / "gpu_check.py"), "--out", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 77, done.stderr
+    assert "gpu_check: skipped, no healthy NVIDIA GPU here: 'nvidia-smi' not found" in done.stderr
+    assert not (tmp_path / "r.json").exists()
