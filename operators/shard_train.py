@@ -65,14 +65,19 @@ class ShardTrainOperator(BaseOperator):
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
         self._hydrate(run_dir, plan)
+        uploader = self._uploader(run_dir, plan, node)
 
         def poll() -> str | None:
+            if uploader is not None:
+                uploader.poll()
             return "abort" if read_abort(run_dir) is not None else attempt.replacement_requested()
 
         self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
                                   "--plan", self.plan_path, "--node", str(node)], log=self.log,
                                  env={"TRAINFLOW_NODE_TASK_PID": str(os.getpid())})
         rc = self._agent.run(poll=poll)
+        if uploader is not None:
+            uploader.close()
         ckpt = newest_verified(run_dir / "checkpoints")
         if ckpt is not None:
             pointer = {"step": ckpt.step, "path": ckpt.path, "manifest_sha256": ckpt.manifest_sha256}
@@ -128,6 +133,20 @@ class ShardTrainOperator(BaseOperator):
                       world_size=None if spec.elastic else spec.world_size)
         if ref is not None:
             self.log.info("resume point: verified checkpoint step %d (%s)", ref.step, ref.path)
+
+    def _uploader(self, run_dir, plan: dict, node: int):
+        """Node 0 uploads each new verified checkpoint to the durable store while the gang
+        trains, so a run that loses the hosts holding its local copy resumes from a recent
+        durable one (checkpoint_sync still publishes the final checkpoint)."""
+        from trainflow.checkpoint.store import BackgroundPublisher
+        from trainflow.spec import TrainingSpec
+
+        if node != 0 or (store := durable_store(plan)) is None:
+            return None
+        spec = TrainingSpec.from_mapping(plan["spec"])
+        return BackgroundPublisher(run_dir, store, training_hash=spec.training_hash(),
+                                   world_size=None if spec.elastic else spec.world_size,
+                                   keep_last=spec.keep_last, log=self.log)
 
     def _capacity(self, run_dir, node: int) -> bool:
         """Hold a node of the pool for this slot: True once it does, False if the run

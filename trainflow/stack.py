@@ -46,8 +46,13 @@ class EmbeddedStack:
             holds Celery's results).
         state_db: trainflow's own database (``TRAINFLOW_STATE_DB``; empty: SQLite in
             ``trainflow_home``).
-        workers: Celery workers to run, each ``{"name", "queues", "concurrency", "env"}``;
-            ``name`` becomes the worker's ``TRAINFLOW_HOST`` (a "host" of the cluster).
+        workers: Celery workers to run, each ``{"name", "queues", "concurrency", "env",
+            "wrap"}``; ``name`` becomes the worker's ``TRAINFLOW_HOST`` (a "host" of the
+            cluster); ``wrap`` is an argv prefix the worker runs under (e.g. ``ip netns exec
+            <ns>``: a host with a network of its own, ``trainflow.testing.netns``).
+        task_heartbeat_timeout: seconds without a task heartbeat after which the scheduler
+            fails the task instance (``[scheduler] task_instance_heartbeat_timeout``; 0 keeps
+            Airflow's 300 s). A worker host that dies with its tasks is noticed this way.
     """
 
     home: Path = field(default_factory=lambda: REPO / ".airflow")
@@ -62,6 +67,7 @@ class EmbeddedStack:
     broker_url: str = ""
     state_db: str = ""
     workers: tuple = ()
+    task_heartbeat_timeout: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **kw) -> "EmbeddedStack":
@@ -172,6 +178,10 @@ class EmbeddedStack:
             })
         if self.state_db:
             env["TRAINFLOW_STATE_DB"] = self.state_db
+        if self.task_heartbeat_timeout:
+            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(self.task_heartbeat_timeout)
+            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL"] = \
+                str(max(1.0, self.task_heartbeat_timeout / 5))
         env.update(self.extra_env)
         return env
 
@@ -210,7 +220,7 @@ class EmbeddedStack:
                     # each worker serves its task logs on a port of its own
                     "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
                     **worker.get("env", {})})
-        return [self._airflow(), "celery", "worker", "--queues", worker["queues"],
+        return [*worker.get("wrap", ()), self._airflow(), "celery", "worker", "--queues", worker["queues"],
                 "--concurrency", str(worker.get("concurrency", 4)),
                 "--celery-hostname", f"{worker['name']}@%h",
                 "--pid", str(self.home / "run" / f"celery-{worker['name']}.pid")], env

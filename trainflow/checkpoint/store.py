@@ -87,10 +87,22 @@ def hydrate(run_dir: Path, store, *, training_hash: str | None = None,
     """Bring the store's newest verified checkpoint into the workspace when it is newer
     than the newest local one (the local copy was lost with its host); returns the
     checkpoint a resume will use, or None."""
+    import fcntl
+
     local_root = Path(run_dir) / "checkpoints"
-    local = manifest.newest_verified(local_root, training_hash=training_hash, world_size=world_size)
     if store is None:
-        return local
+        return manifest.newest_verified(local_root, training_hash=training_hash, world_size=world_size)
+    local_root.mkdir(parents=True, exist_ok=True)
+    # The nodes of a gang retried together share the workspace: one fetches, the others
+    # then find the copy in place.
+    with open(local_root / ".hydrate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _hydrate(local_root, store, training_hash, world_size)
+
+
+def _hydrate(local_root: Path, store, training_hash: str | None,
+             world_size: int | None) -> manifest.CheckpointRef | None:
+    local = manifest.newest_verified(local_root, training_hash=training_hash, world_size=world_size)
     remote_steps = store.steps()
     if not remote_steps or (local is not None and local.step >= max(remote_steps)):
         return local
@@ -98,6 +110,64 @@ def hydrate(run_dir: Path, store, *, training_hash: str | None = None,
     if fetched is None or (local is not None and local.step >= fetched.step):
         return local
     return fetched
+
+
+class BackgroundPublisher:
+    """Publish each new verified checkpoint of a workspace to the durable store while the
+    training runs (the tiered store's asynchronous upload): ``poll`` is cheap and never
+    blocks; one upload runs at a time, always of the newest checkpoint; a failed upload
+    (throttling past the retries, a checkpoint pruned locally meanwhile) is retried at the
+    next poll with whatever is newest then.
+
+    Args:
+        run_dir: the run's workspace.
+        store: the durable store (``open_store``).
+        training_hash, world_size: what a checkpoint must fit to be published.
+        keep_last: checkpoints the store keeps.
+    """
+
+    def __init__(self, run_dir: Path, store, *, training_hash: str | None, world_size: int | None,
+                 keep_last: int, log=None) -> None:
+        import logging
+
+        self.root = Path(run_dir) / "checkpoints"
+        self.store, self.keep_last = store, keep_last
+        self.training_hash, self.world_size = training_hash, world_size
+        self.log = log or logging.getLogger(__name__)
+        self.published: list[dict] = []
+        self._last = -1
+        self._thread = None
+
+    def poll(self) -> None:
+        import threading
+
+        if self._thread is not None and self._thread.is_alive():
+            return
+        newest = next(iter(manifest.list_checkpoints(self.root)), None)
+        if newest is None or newest[0] <= self._last:
+            return
+        self._thread = threading.Thread(target=self._publish, name="checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        try:
+            ref = manifest.newest_verified(self.root, training_hash=self.training_hash,
+                                           world_size=self.world_size)
+            if ref is None or ref.step <= self._last:
+                return
+            if ref.step not in self.store.steps():
+                done = self.store.publish(ref, self.keep_last)
+                self.published.append(done)
+                self.log.info("checkpoint step %d uploaded to %s", ref.step, done["uri"])
+            self._last = ref.step
+        except Exception as exc:  # noqa: BLE001 - an upload is retried at the next poll
+            self.log.warning("checkpoint upload failed, retried at the next poll: %s: %s",
+                             type(exc).__name__, exc)
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Wait for the upload in flight (if any)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
 
 def durable_root(store_uri: str, tenant: str, dag_id: str, run_id: str) -> Path | None:

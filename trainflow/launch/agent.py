@@ -163,6 +163,10 @@ def launch_config(plan: dict):
                       **{k: rdzv[k] for k in ("keep_alive_interval", "keep_alive_max_attempt") if k in rdzv}},
         max_restarts=plan["max_restarts"], monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
         role="trainer",
+        # The address peers reach this node at (the gang's store when it holds group rank
+        # 0); default: torch's lookup of the hostname, wrong where hostnames do not resolve
+        # to the node's network (containers, namespaces, multi-homed hosts).
+        local_addr=os.environ.get("TRAINFLOW_HOST_ADDR") or None,
     )
 
 
