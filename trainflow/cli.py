@@ -101,6 +101,16 @@ def pods(spec_path: str, node: int | None, dag_id: str, run_id: str) -> int:
     return 0
 
 
+def helm_values(families: tuple[str, ...], image: str, tag: str) -> int:
+    import yaml
+
+    from trainflow.launch import helm
+
+    values = helm.chart_values(families or helm.DEFAULT_FAMILIES, image=image, tag=tag)
+    print(helm.HEADER + yaml.safe_dump(values, sort_keys=False), end="")
+    return 0
+
+
 def _policy():
     from trainflow.cluster.hosts import CordonPolicy
 
@@ -140,8 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", type=int, help="only this slot")
     p.add_argument("--dag-id", default="train_digits")
     p.add_argument("--run-id", default="manual__dry-run")
+    p = sub.add_parser("helm-values", help="values for the official Airflow Helm chart: one Celery "
+                                           "worker set per chip queue (docker/helm/values.yaml)")
+    p.add_argument("--family", action="append", help="chip family to give a worker set (repeatable; "
+                                                     "default: cpu nvidia ascend cambricon hygon kunlunxin mthreads)")
+    p.add_argument("--image", default="trainflow-airflow")
+    p.add_argument("--tag", default="0.1.0")
     args = parser.parse_args(argv)
     try:
+        if args.command == "helm-values":
+            return helm_values(tuple(args.family or ()), args.image, args.tag)
         if args.command == "doctor":
             return doctor(args.chip, args.queue, args.model, args.json, args.register)
         if args.command == "pods":

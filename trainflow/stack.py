@@ -192,12 +192,23 @@ class EmbeddedStack:
         return self.home / "run" / f"{component}.pid"
 
     def pid(self, component: str) -> int | None:
+        """The component's live process, or None (a dead one is reaped if it is ours)."""
         try:
             pid = int(self._pidfile(component).read_text())
             os.kill(pid, 0)
-            return pid
         except (OSError, ValueError):
             return None
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return None
+        except ChildProcessError:
+            pass  # not our child (another process started it)
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        except (OSError, IndexError):
+            pass
+        return pid
 
     def prepare(self) -> None:
         """Write the home and passwords, migrate the database (idempotent)."""

@@ -24,7 +24,7 @@ def client(stack):
     return stack.client()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_to_end():
     """``run_to_end(client, dag_id, conf, run_id, timeout)``, see ``_run_to_end``."""
     return _run_to_end

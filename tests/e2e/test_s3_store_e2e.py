@@ -41,7 +41,8 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, 
     pointer = client.xcom(DAG, run_id, "checkpoint_sync", "checkpoint")
     assert pointer["uri"] == f"s3://{s3_server.bucket}/e2e/s3e2e/{DAG}/{run_id}/step-00000300"
     store = S3Store(s3_server.client(), s3_server.bucket, "e2e", tenant="s3e2e", dag_id=DAG, run_id=run_id)
-    assert store.steps() == [300]  # published at the end, pruned to keep_last
+    # node 0 uploaded checkpoints while training, checkpoint_sync the final one; keep_last 2
+    assert store.steps()[0] == 300 and len(store.steps()) <= 2
     assert store.read_manifest(300)["world_size"] == 2
     first = client.xcom(DAG, run_id, "evaluate", "metrics")
 

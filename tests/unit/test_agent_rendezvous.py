@@ -119,3 +119,13 @@ def test_restarted_node_re_forms_the_gang_within_polls(dr):
     assert first == [0, 1]
     assert sorted(i.rank for i in second) == [0, 1] and {i.world_size for i in second} == {2}
     assert noticed < 0.5 and elapsed < 1.0, (noticed, elapsed)
+
+
+def test_the_hosts_own_interface_wins_over_the_propagated_one():
+    from trainflow.launch.agent import agent_env
+
+    plan = {"env": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO"}}
+    env = agent_env(plan, 1, host_env={"GLOO_SOCKET_IFNAME": "tf0"})
+    assert "GLOO_SOCKET_IFNAME" not in env  # the host's tf0 stays in effect
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"  # the host sets none: provision's applies
+    assert env["NCCL_DEBUG"] == "INFO" and env["TRAINFLOW_NODE"] == "1"

@@ -31,10 +31,19 @@ def restore_priority() -> None:
         pass
 
 
-def agent_env(plan: dict, node: int) -> dict[str, str]:
-    """Environment the agent and its workers need (pure)."""
+# Variables that name this host's own network interfaces: the value the node's host sets
+# wins over the one provision propagated from its host (interface names differ by host).
+HOST_LOCAL_SUFFIXES = ("_SOCKET_IFNAME", "_IB_HCA", "_HOST_ADDR")
+
+
+def agent_env(plan: dict, node: int, host_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment the agent and its workers need (pure but for ``host_env``, default
+    ``os.environ``)."""
+    host_env = os.environ if host_env is None else host_env
+    propagated = {k: v for k, v in plan.get("env", {}).items()
+                  if not (k.endswith(HOST_LOCAL_SUFFIXES) and host_env.get(k))}
     return {
-        **plan.get("env", {}),
+        **propagated,
         "TRAINFLOW_NODE": str(node),
         "TRAINFLOW_AGENT_PID": str(os.getpid()),
         "OMP_NUM_THREADS": "1",
