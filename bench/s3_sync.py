@@ -7,7 +7,7 @@ manifest. Per round, alternating: trainflow's ``S3Store.upload`` (server-checked
 per part, sizes/digests compared with the manifest, manifest last) vs a bare
 ``TransferManager`` upload of the same files with the same transfer settings; then
 ``S3Store.download`` (every file's SHA-256 checked against the manifest, partial dir and
-rename) vs a bare ``TransferManager`` download; and ``shutil.copytree`` of the checkpoint
+rename) vs a bare ``TransferManager`` download of the same stored objects; and ``shutil.copytree`` of the checkpoint
 to another directory on the same disk (what the ``file://`` tier does before verifying).
 
     .venv/bin/python bench/s3_sync.py [--rounds 3] [--shards 4] [--shard-mb 64]
@@ -69,16 +69,18 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tf-s3-bench-", dir=os.environ.get("TRAINFLOW_BENCH_DIR")))
     settings = TransferSettings()
     server = SeaweedS3(work / "s3").start()
-    series: dict[str, list[float]] = {k: [] for k in ("ours_up", "raw_up", "ours_down", "raw_down", "local_copy")}
+    series: dict[str, list[float]] = {k: [] for k in ("ours_up", "raw_up", "raw_crc32_up", "ours_down", "raw_down",
+                                                      "local_copy")}
     try:
         ref = make_checkpoint(work / "local", args.shards, args.shard_mb)
         files = sorted(manifest.read_manifest(Path(ref.path))["files"])
         s3 = server.client(settings=settings)
         from boto3.s3.transfer import create_transfer_manager
 
-        def raw_up(prefix: str) -> None:
+        def raw_up(prefix: str, extra_args: dict | None = None) -> None:
             with create_transfer_manager(s3, settings.transfer_config()) as tm:
-                for f in [tm.upload(str(Path(ref.path) / rel), server.bucket, f"{prefix}/{rel}") for rel in files]:
+                for f in [tm.upload(str(Path(ref.path) / rel), server.bucket, f"{prefix}/{rel}",
+                                    extra_args=extra_args) for rel in files]:
                     f.result()
 
         def raw_down(prefix: str, dest: Path) -> None:
@@ -91,22 +93,28 @@ def main() -> int:
             store = S3Store(s3, server.bucket, "bench", tenant="bench", dag_id="bench", run_id=f"ours-{i}",
                             settings=settings)
             order = ("ours", "raw") if i % 2 == 0 else ("raw", "ours")
-            for who in order:
+            for who in order + ("raw_crc32",):
                 drop_caches(Path(ref.path))
                 t0 = time.perf_counter()
                 if who == "ours":
                     store.upload(ref, verified=True)
-                else:
+                elif who == "raw":
                     raw_up(f"bench/raw-{i}")
+                else:  # the same server-checked part checksums as ours, nothing else
+                    raw_up(f"bench/raw-crc32-{i}", {"ChecksumAlgorithm": "CRC32"})
                 series[f"{who}_up"].append(time.perf_counter() - t0)
+            # Let the server finish writing this round's ~800 MB of uploads before the downloads
+            # are timed (a flush in the background would land on whichever download runs first).
+            os.sync()
+            time.sleep(2)
             for who in order:
                 dest = work / f"down-{who}-{i}"
                 t0 = time.perf_counter()
                 if who == "ours":
                     got = store.download(100, dest, training_hash="bench")
                     assert got.manifest_sha256 == ref.manifest_sha256
-                else:
-                    raw_down(f"bench/raw-{i}", dest)
+                else:  # the very objects ours fetched: the same stored files
+                    raw_down(store._key(100), dest)
                 series[f"{who}_down"].append(time.perf_counter() - t0)
                 shutil.rmtree(dest)
             drop_caches(Path(ref.path))
@@ -123,6 +131,7 @@ def main() -> int:
             "seconds": series, "median_s": med,
             "mb_per_s": {k: round(mb / v, 1) for k, v in med.items()},
             "upload_vs_raw": round(med["raw_up"] / med["ours_up"], 3),
+            "upload_vs_raw_crc32": round(med["raw_crc32_up"] / med["ours_up"], 3),
             "download_vs_raw": round(med["raw_down"] / med["ours_down"], 3),
             "upload_vs_local_copy": round(med["local_copy"] / med["ours_up"], 3),
             "download_vs_local_copy": round(med["local_copy"] / med["ours_down"], 3),
@@ -130,7 +139,7 @@ def main() -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        print(json.dumps({k: result[k] for k in ("checkpoint_mb", "mb_per_s", "upload_vs_raw", "download_vs_raw",
+        print(json.dumps({k: result[k] for k in ("checkpoint_mb", "mb_per_s", "upload_vs_raw", "upload_vs_raw_crc32", "download_vs_raw",
                                                  "upload_vs_local_copy", "download_vs_local_copy")}, indent=1))
         return 0
     finally:
