@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from airflow.sdk import BaseOperator
+from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators._common import load_plan, translate
 
@@ -28,41 +29,79 @@ class ProvisionOperator(BaseOperator):
         self.lease_ttl = lease_ttl
 
     def execute(self, context) -> list[dict[str, Any]]:
-        from trainflow.checkpoint.manifest import newest_verified
-        from trainflow.cluster.allocator import Allocator, embedded_capacity
+        from datetime import timedelta
+
+        spec, ws, run_key = self._validate(context)
+        admission = self._request(spec, run_key)
+        if hasattr(admission, "position"):  # waiting: hand the wait to the triggerer
+            self.log.info("waiting for capacity: position %d in pool %r: %s", admission.position,
+                          admission.pool, admission.reason)
+            context["ti"].xcom_push(key="admission", value=admission.to_dict())
+            self.defer(trigger=AdmissionTrigger(request=self._request_kwargs(spec, run_key)),
+                       method_name="admitted", timeout=timedelta(seconds=float(spec.admission_timeout)))
+        return self._plan(context, spec, ws, admission)
+
+    def admitted(self, context, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """Resume after the trigger saw the gang admitted (or the request refused)."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        if event.get("status") != "admitted":
+            raise AirflowFailException(f"admission: {event.get('message')}")
+        spec, ws, run_key = self._validate(context)
+        lease = self._request(spec, run_key)  # the granted lease, renewed
+        if hasattr(lease, "position"):
+            raise AirflowFailException(f"admission: the lease granted to {run_key} was lost: {lease.reason}")
+        self.log.info("admitted after waiting %.0f s", event.get("waited_s", 0.0))
+        return self._plan(context, spec, ws, lease)
+
+    def _validate(self, context):
         from trainflow.cluster.hosts import HostRegistry
-        from trainflow.cluster.slots import SlotLeases
-        from trainflow.errors import SpecError, TrainingError
-        from trainflow.launch.local import prepare
+        from trainflow.errors import SpecError
         from trainflow.plan import check_devices
         from trainflow.spec import TrainingSpec
         from trainflow.workspace import Workspace, default_root
 
-        dag_id, run_id = self.dag_id, context["run_id"]
         try:
             spec = TrainingSpec.from_mapping(dict(context["params"]))
-            ws = Workspace(default_root(), spec.tenant, dag_id, run_id)
+            ws = Workspace(default_root(), spec.tenant, self.dag_id, context["run_id"])
             check_devices(spec, HostRegistry().inventory(spec.queue))
         except SpecError as exc:
             raise translate(exc) from exc
-        self.log.info("spec: %s", spec.to_json())
+        return spec, ws, f"{spec.tenant}/{self.dag_id}/{context['run_id']}"
+
+    def _request_kwargs(self, spec, run_key: str) -> dict[str, Any]:
+        # The gang needs min_nodes (and its spares) now; an elastic one takes what more is
+        # free up to its full size, and its other slots wait for capacity.
+        return {"run_key": run_key, "tenant": spec.tenant, "pool": self.node_pool,
+                "nodes": spec.min_nodes + spec.spares, "up_to": spec.max_nodes + spec.spares,
+                "ttl": self.lease_ttl, "priority": spec.priority}
+
+    def _request(self, spec, run_key: str):
+        from trainflow.cluster.allocator import Allocator, embedded_capacity
+        from trainflow.errors import SpecError, TrainingError
+
         allocator = Allocator()
         if self.node_pool == "embedded":
             allocator.set_pool("embedded", embedded_capacity())
-        run_key = f"{spec.tenant}/{dag_id}/{run_id}"
-        slots = spec.max_nodes + spec.spares
         try:
-            # The gang needs min_nodes (and its spares) now; an elastic one takes what more
-            # is free up to its full size, and its other slots wait for capacity.
-            lease = allocator.admit(run_key, tenant=spec.tenant, pool=self.node_pool,
-                                    nodes=spec.min_nodes + spec.spares, up_to=slots, ttl=self.lease_ttl)
+            return allocator.request(**self._request_kwargs(spec, run_key))
         except (SpecError, TrainingError) as exc:
             raise translate(exc) from exc
+
+    def _plan(self, context, spec, ws, lease) -> list[dict[str, Any]]:
+        from trainflow.checkpoint.manifest import newest_verified
+        from trainflow.cluster.allocator import Allocator
+        from trainflow.cluster.slots import SlotLeases
+        from trainflow.launch.local import prepare
+
+        dag_id, run_id = self.dag_id, context["run_id"]
+        run_key = f"{spec.tenant}/{dag_id}/{run_id}"
+        slots = spec.max_nodes + spec.spares
         self.log.info("admitted %d of %d nodes of pool %r until %.0f", lease.nodes, slots, lease.pool,
                       lease.expires)
         ws.create()
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
-        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, allocator)
+        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator())
         resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
                                  world_size=None if spec.elastic else spec.world_size)
         ti = context["ti"]
@@ -70,7 +109,54 @@ class ProvisionOperator(BaseOperator):
         ti.xcom_push(key="plan", value=plan)
         ti.xcom_push(key="run_dir", value=str(ws.dir))
         ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
+        ti.xcom_push(key="admission", value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes})
         self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s",
                       ws.dir, spec.nodes, spec.spares, spec.nproc_per_node, plan["queue"],
                       f"step {resume.step}" if resume else "scratch")
         return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(slots)]
+
+
+class AdmissionTrigger(BaseTrigger):
+    """Renew a waiting admission request every ``poll_interval`` seconds until the gang is
+    admitted (event ``admitted``) or the request is refused (``refused``); its queue
+    position changes are logged. The triggerer holds the wait: no worker slot sleeps.
+
+    :param request: ``Allocator.request`` keyword arguments.
+    :param poll_interval: seconds between renewals.
+    """
+
+    def __init__(self, *, request: dict[str, Any], poll_interval: float = 2.0, started: float | None = None) -> None:
+        import time
+
+        super().__init__()
+        self.request = request
+        self.poll_interval = poll_interval
+        self.started = time.time() if started is None else started
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"request": self.request, "poll_interval": self.poll_interval, "started": self.started})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import asyncio
+        import time
+
+        from trainflow.cluster.allocator import Allocator
+        from trainflow.errors import SpecError
+
+        said = None
+        while True:
+            try:
+                answer = await asyncio.to_thread(Allocator().request, **self.request)
+            except SpecError as exc:
+                yield TriggerEvent({"status": "refused", "message": str(exc)})
+                return
+            if not hasattr(answer, "position"):
+                yield TriggerEvent({"status": "admitted", "nodes": answer.nodes,
+                                    "waited_s": time.time() - self.started})
+                return
+            if (answer.position, answer.reason) != said:
+                self.log.info("%s waits: position %d in pool %r: %s", self.request["run_key"],
+                              answer.position, answer.pool, answer.reason)
+                said = (answer.position, answer.reason)
+            await asyncio.sleep(self.poll_interval)

@@ -134,6 +134,12 @@ class TrainingSpec:
     retries: int = field(default=2, metadata=_meta(
         "Retries", "Airflow retries of a node task after an infrastructure failure.",
         minimum=0, maximum=10))
+    priority: int = field(default=0, metadata=_meta(
+        "Priority", "Admission order in the node pool: higher first, first come first served "
+        "within a priority.", minimum=-100, maximum=100))
+    admission_timeout: float = field(default=86_400.0, metadata=_meta(
+        "Admission timeout (s)", "Longest wait in the pool's queue for the gang's nodes before "
+        "provision fails (the wait is deferred: it holds no worker slot).", minimum=1, maximum=30 * 86_400))
     store_uri: str = field(default="", metadata=_meta(
         "Checkpoint store", "Durable checkpoint store: empty for the run's workspace, "
         "file:///absolute/dir, or s3://bucket/prefix (credentials from the Airflow connection "

@@ -109,3 +109,41 @@ def test_run_conf_chip_routes_node_tasks_to_the_chip_queue(client):
     assert shard["queue"] == "ascend-910b" and shard["try_number"] == 1
     log = client.task_log(DAG, run_id, "shard_train", 1, map_index=0)
     assert "'torch_npu' extension" in log and "ascend-910b" in log
+
+
+def test_three_runs_on_a_pool_that_fits_two_one_waits_deferred(client, stack):
+    """Three 2-node runs at once on the embedded pool of 4 nodes: two are admitted, the
+    third waits in the pool's queue with its provision deferred (no worker slot held, its
+    position and reason in the XCom), and is admitted when one of the others releases its
+    nodes; every run succeeds and nothing is left leased or queued."""
+    import time
+
+    client.unpause(DAG)
+    conf = {"steps": 150, "checkpoint_interval": 50, "tenant": "queue"}
+    ids = [client.trigger(DAG, conf, run_id=f"e2e-queue-{i}")["dag_run_id"] for i in range(3)]
+    deferred, waiting_xcom = set(), {}
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        states = {}
+        for run_id in ids:
+            tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
+            if tis.get(("provision", -1), {}).get("state") == "deferred":
+                deferred.add(run_id)
+                waiting_xcom.setdefault(run_id, client.xcom(DAG, run_id, "provision", "admission"))
+            states[run_id] = client.run(DAG, run_id)["state"]
+        if all(s in ("success", "failed") for s in states.values()):
+            break
+        time.sleep(1)
+    assert all(client.run(DAG, r)["state"] == "success" for r in ids), states
+    assert len(deferred) == 1, deferred
+    (late,) = deferred
+    assert waiting_xcom[late]["state"] == "waiting" and waiting_xcom[late]["position"] == 1
+    assert "needs 2 nodes of pool 'embedded': 0 of 4 free" in waiting_xcom[late]["reason"]
+    assert client.xcom(DAG, late, "provision", "admission")["state"] == "admitted"
+    # It trained only after one of the others had given its nodes back.
+    released = min(t["end_date"] for r in ids if r != late
+                   for t in client.task_instances(DAG, r) if t["task_id"] == "release")
+    started = min(t["start_date"] for t in client.task_instances(DAG, late) if t["task_id"] == "shard_train")
+    assert started >= released
+    allocator = Allocator(stack.trainflow_home / "state.db")
+    assert allocator.leases() == [] and allocator.queue("embedded") == []

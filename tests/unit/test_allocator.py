@@ -80,3 +80,61 @@ def test_slots_hold_give_back_and_acquire(tmp_path, alloc):
     assert opened.settle_loss(1)["reason"] == "test" and opened.settle_loss(1) is None
     assert not opened.holds(1) and not opened.acquire(1)  # lost for good: no capacity
     assert alloc.offline("cpu") == 1
+
+
+def test_requests_wait_in_order_and_are_admitted_when_capacity_frees(alloc):
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    assert isinstance(alloc.request("a", tenant="t", pool="cpu", nodes=2, ttl=60, now=0), Lease)
+    assert isinstance(alloc.request("b", tenant="t", pool="cpu", nodes=2, ttl=60, now=1), Lease)
+    c = alloc.request("c", tenant="t", pool="cpu", nodes=2, ttl=60, now=2)
+    assert isinstance(c, Waiting) and c.position == 1
+    assert c.reason == "needs 2 nodes of pool 'cpu': 0 of 4 free"
+    d = alloc.request("d", tenant="u", pool="cpu", nodes=1, ttl=60, now=3)
+    assert (d.position, d.reason) == (2, "needs 1 node of pool 'cpu': 0 of 4 free, 1 earlier request ahead")
+    assert alloc.queue("cpu") == ["c", "d"]
+    alloc.release("a")
+    # d asks again first, but c came first and takes the two free nodes.
+    assert isinstance(alloc.request("d", tenant="u", pool="cpu", nodes=1, ttl=60, now=4), Waiting)
+    assert isinstance(alloc.request("c", tenant="t", pool="cpu", nodes=2, ttl=60, now=5), Lease)
+    alloc.release("b")
+    assert isinstance(alloc.request("d", tenant="u", pool="cpu", nodes=1, ttl=60, now=6), Lease)
+    assert alloc.queue("cpu") == []
+
+
+def test_a_large_gang_is_not_starved_by_small_ones_behind_it(alloc):
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    alloc.request("running", tenant="t", pool="cpu", nodes=3, ttl=60, now=0)
+    assert isinstance(alloc.request("big", tenant="t", pool="cpu", nodes=4, ttl=60, now=1), Waiting)
+    small = alloc.request("small", tenant="t", pool="cpu", nodes=1, ttl=60, now=2)
+    assert isinstance(small, Waiting) and small.position == 2  # 1 node is free, but big is first
+    alloc.release("running")
+    assert isinstance(alloc.request("small", tenant="t", pool="cpu", nodes=1, ttl=60, now=3), Waiting)
+    assert isinstance(alloc.request("big", tenant="t", pool="cpu", nodes=4, ttl=60, now=4), Lease)
+
+
+def test_priority_goes_first_and_gone_requesters_leave_the_queue(alloc):
+    from trainflow.cluster.allocator import STALE_WAIT_S, Lease, Waiting
+
+    alloc.request("running", tenant="t", pool="cpu", nodes=4, ttl=600, now=0)
+    alloc.request("low", tenant="t", pool="cpu", nodes=4, ttl=60, now=1)
+    alloc.request("high", tenant="t", pool="cpu", nodes=4, ttl=60, priority=5, now=2)
+    alloc.request("gone", tenant="t", pool="cpu", nodes=1, ttl=60, priority=9, now=3)
+    assert alloc.queue("cpu") == ["gone", "high", "low"]
+    later = 3 + STALE_WAIT_S + 1
+    assert isinstance(alloc.request("low", tenant="t", pool="cpu", nodes=4, ttl=60, now=later), Waiting)
+    assert alloc.queue("cpu") == ["low"]  # high and gone stopped renewing: dropped
+    alloc.request("high", tenant="t", pool="cpu", nodes=4, ttl=60, priority=5, now=later + 1)
+    alloc.release("running")
+    assert isinstance(alloc.request("low", tenant="t", pool="cpu", nodes=4, ttl=60, now=later + 2), Waiting)
+    assert isinstance(alloc.request("high", tenant="t", pool="cpu", nodes=4, ttl=60, priority=5, now=later + 3), Lease)
+    assert alloc.release("high") and alloc.queue("cpu") == ["low"]
+    alloc.release("low")
+    assert alloc.queue("cpu") == []  # release withdraws a waiting request too
+
+
+def test_a_request_that_never_fits_is_refused_not_queued(alloc):
+    with pytest.raises(SpecError, match="only 4 nodes in total"):
+        alloc.request("big", tenant="t", pool="cpu", nodes=5, ttl=10)
+    assert alloc.queue("cpu") == []

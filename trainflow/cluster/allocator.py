@@ -24,7 +24,27 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS offline (
     pool TEXT NOT NULL, run_key TEXT NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS waiting (
+    run_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, pool TEXT NOT NULL, nodes INTEGER NOT NULL,
+    up_to INTEGER NOT NULL, priority INTEGER NOT NULL, submitted REAL NOT NULL, seen REAL NOT NULL
+);
 """
+# A waiting request its requester stopped renewing for this long is dropped (the requester
+# is gone: a deferred provision renews every few seconds; release withdraws it at once).
+STALE_WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request that waits in its pool's queue: its 1-based position and why."""
+
+    run_key: str
+    pool: str
+    position: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"state": "waiting", "pool": self.pool, "position": self.position, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,62 @@ class Allocator(StateDB):
                 con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
         return Lease(run_key, tenant, pool, granted, now, now + ttl)
 
+    def request(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
+                up_to: int | None = None, priority: int = 0, now: float | None = None) -> "Lease | Waiting":
+        """Admit the gang in its turn: it is granted (as ``admit``) when the pool's queue
+        order lets it start and it fits; otherwise it waits in the pool's queue and the
+        answer says where and why. Call again to renew the wait and to be admitted once
+        capacity frees (idempotent; a granted run gets its lease back).
+
+        The order is strict first-come first-served within a priority (higher first): a
+        gang that does not fit blocks the ones behind it, so a large gang is never starved
+        by a stream of small ones.
+
+        Raises:
+            SpecError: the pool is unknown or smaller than the request (it would never fit).
+        """
+        now = time.time() if now is None else now
+        up_to = max(nodes, up_to or nodes)
+        with self._transaction() as con:
+            capacity = self._capacity(con, pool)
+            if nodes > capacity:
+                raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
+                                f"ask for at most {capacity}")
+            con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+            if con.execute("SELECT 1 FROM leases WHERE run_key=?", (run_key,)).fetchone():
+                con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
+                granted = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()[0]
+                return Lease(run_key, tenant, pool, granted, now, now + ttl)
+            con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,))
+            con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
+                        "seen=excluded.seen, nodes=excluded.nodes, up_to=excluded.up_to, "
+                        "priority=excluded.priority", (run_key, tenant, pool, nodes, up_to, priority, now, now))
+            queue = con.execute("SELECT run_key, nodes FROM waiting WHERE pool=? "
+                                "ORDER BY priority DESC, submitted, run_key", (pool,)).fetchall()
+            free = capacity - self._offline(con, pool, now) - self._used(con, pool)
+            left = free
+            for position, (key, asked) in enumerate(queue, start=1):
+                if asked > left:
+                    break
+                if key == run_key:
+                    granted = min(left, up_to)
+                    con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
+                    con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
+                                (run_key, tenant, pool, granted, now, now + ttl))
+                    return Lease(run_key, tenant, pool, granted, now, now + ttl)
+                left -= asked
+            position = next(i for i, (key, _) in enumerate(queue, start=1) if key == run_key)
+            ahead = position - 1
+            reason = (f"needs {nodes} node{'s' * (nodes != 1)} of pool {pool!r}: {max(free, 0)} of {capacity} free"
+                      + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else ""))
+            return Waiting(run_key, pool, position, reason)
+
+    def queue(self, pool: str) -> list[str]:
+        """The pool's waiting runs in admission order."""
+        with closing(self._connect()) as con:
+            return [r[0] for r in con.execute("SELECT run_key FROM waiting WHERE pool=? "
+                                              "ORDER BY priority DESC, submitted, run_key", (pool,))]
+
     def grow(self, run_key: str, *, by: int = 1, now: float | None = None) -> bool:
         """Add ``by`` nodes to the run's lease if they are free now; False otherwise (or if
         the run holds no lease)."""
@@ -172,9 +248,11 @@ class Allocator(StateDB):
         return con.execute("SELECT COUNT(*) FROM offline WHERE pool=? AND until > ?", (pool, now)).fetchone()[0]
 
     def release(self, run_key: str) -> bool:
-        """Free the run's lease (and the nodes it lost, ``lose_node``); True if there was one."""
+        """Free the run's lease (and the nodes it lost, ``lose_node``) or withdraw its waiting
+        request; True if it held a lease."""
         with self._transaction() as con:
             con.execute("DELETE FROM offline WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
             return con.execute("DELETE FROM leases WHERE run_key=?", (run_key,)).rowcount > 0
 
     def leases(self, pool: str | None = None, now: float | None = None) -> list[Lease]:
