@@ -34,8 +34,8 @@ class ProvisionOperator(BaseOperator):
         spec, ws, run_key = self._validate(context)
         admission = self._request(spec, run_key)
         if hasattr(admission, "position"):  # waiting: hand the wait to the triggerer
-            self.log.info("waiting for capacity: position %d in pool %r: %s", admission.position,
-                          admission.pool, admission.reason)
+            self.log.info("waiting for capacity, position %d in the queue: %s", admission.position,
+                          admission.reason)
             context["ti"].xcom_push(key="admission", value=admission.to_dict())
             self.defer(trigger=AdmissionTrigger(request=self._request_kwargs(spec, run_key)),
                        method_name="admitted", timeout=timedelta(seconds=float(spec.admission_timeout)))
@@ -156,7 +156,7 @@ class AdmissionTrigger(BaseTrigger):
                                     "waited_s": time.time() - self.started})
                 return
             if (answer.position, answer.reason) != said:
-                self.log.info("%s waits: position %d in pool %r: %s", self.request["run_key"],
-                              answer.position, answer.pool, answer.reason)
+                self.log.info("%s waits, position %d in the queue: %s", self.request["run_key"],
+                              answer.position, answer.reason)
                 said = (answer.position, answer.reason)
             await asyncio.sleep(self.poll_interval)
