@@ -191,7 +191,8 @@ class TrainingSpec:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SpecError(unknown[0], data[unknown[0]],
+            name = unknown[0] if str(unknown[0]).isidentifier() else repr(unknown[0])
+            raise SpecError(name, data[unknown[0]],
                             f"unknown field; known fields: {', '.join(sorted(known))}")
         values = dict(data)
         for f in fields(cls):  # JSON has one number type: accept 3.0 for 3, 3 for 3.0

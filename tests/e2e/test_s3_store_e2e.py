@@ -65,3 +65,8 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, 
         assert secret not in client.task_log(DAG, run_id, task)
     assert secret not in json.dumps(client.run(DAG, run_id))
     assert secret not in json.dumps(pointer)
+    # Nor anywhere on disk: every task log (node tasks too), the run's workspace (plan,
+    # heartbeats, report, metrics, timeline) and trainflow's state database.
+    leaked = [p for top in (s3_stack.home / "logs", s3_stack.trainflow_home) for p in top.rglob("*")
+              if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == []

@@ -256,6 +256,61 @@ def _writer(path: Path):
     return _Writer(path)
 
 
+# What a DCP ``.metadata`` pickle may name: DCP's own metadata classes, torch.Size, dtypes
+# and layouts, and the path of the checkpoint. Anything else (os.system, builtins.eval,
+# a class with a hostile __reduce__ ...) is refused before it runs.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PureWindowsPath")}
+
+
+def safe_metadata(fh):
+    """Unpickle a DCP ``.metadata`` file allowing only the globals DCP's metadata uses.
+
+    Raises:
+        CheckpointError: the file names anything else (it is never executed).
+    """
+    import pickle
+
+    import torch
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            ok = (module, name) in _METADATA_GLOBALS or (
+                module in _METADATA_MODULES and isinstance(getattr(__import__(module, fromlist=[name]), name, None), type))
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                             torch.memory_format)):
+                ok = True
+            if not ok:
+                raise CheckpointError(f"checkpoint metadata names {module}.{name}, which a DCP checkpoint "
+                                      f"never does; refusing to load it")
+            return super().find_class(module, name)
+    try:
+        return _Unpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint metadata is not DCP metadata: {type(exc).__name__}: {exc}") from exc
+
+
+def _safe_planner():
+    """DCP's default load planner with non-tensor items read by ``torch.load(weights_only=True)``
+    (DCP's own uses ``weights_only=False``: arbitrary code from a crafted checkpoint)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
+
+
 def _reader(path: str):
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -264,6 +319,16 @@ def _reader(path: str):
 
     class _Reader(FileSystemReader):
         """Reads raw items straight into their target tensors; other items go to DCP."""
+
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
+                metadata = safe_metadata(fh)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
         def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
             super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -403,9 +468,11 @@ def _load_local(state: dict, path: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
+    with open(Path(path) / ".metadata", "rb") as fh:
+        safe_metadata(fh)  # a clear CheckpointError here, not one wrapped by DCP's gather
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+        dcp.load(state, storage_reader=_reader(path), planner=_safe_planner(), no_dist=True)
 
 
 def load(model, optimizer, path: str) -> None:

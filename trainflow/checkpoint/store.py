@@ -174,7 +174,10 @@ def durable_root(store_uri: str, tenant: str, dag_id: str, run_id: str) -> Path 
     """Where a run's durable checkpoints live; None when the workspace is the store."""
     if not store_uri:
         return None
-    parsed = urlparse(store_uri)
+    try:
+        parsed = urlparse(store_uri)
+    except ValueError as exc:  # e.g. an unbalanced '[' (urllib reads it as an IPv6 host)
+        raise CheckpointError(f"unsupported checkpoint store {store_uri!r}: {exc}") from exc
     if parsed.scheme != "file" or not parsed.path.startswith("/"):
         raise CheckpointError(f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir "
                               f"or s3://bucket/prefix")
