@@ -111,6 +111,21 @@ def helm_values(families: tuple[str, ...], image: str, tag: str) -> int:
     return 0
 
 
+def simulate_trace(trace: str, capacity: int, chips: int, policy: str, limit: int | None,
+                   plot_path: str | None, as_json: bool, checkpoint_interval: float | None, tenants: int) -> int:
+    from trainflow.sched.model import Pool
+    from trainflow.sched.simulate import format_report, plot, simulate
+    from trainflow.sched.trace import load
+
+    jobs = load(trace, chips_per_node=chips, tenants=tenants, limit=limit)
+    report = simulate(jobs, pool=Pool.uniform(capacity, chips=chips), policy=policy,
+                      checkpoint_interval=checkpoint_interval)
+    if plot_path:
+        plot(report, plot_path)
+    print(json.dumps(report.to_dict(series=False), indent=1) if as_json else format_report(report))
+    return 0
+
+
 def _policy():
     from trainflow.cluster.hosts import CordonPolicy
 
@@ -156,8 +171,23 @@ def main(argv: list[str] | None = None) -> int:
                                                      "default: cpu nvidia ascend cambricon hygon kunlunxin mthreads)")
     p.add_argument("--image", default="trainflow-airflow")
     p.add_argument("--tag", default="0.1.0")
+    p = sub.add_parser("simulate", help="replay a job trace (CSV) through a scheduling policy on a "
+                                        "virtual clock and report utilization, JCT and queueing")
+    p.add_argument("--trace", required=True, help="CSV with job_id,submission_time,duration,num_gpu")
+    p.add_argument("--capacity", type=int, required=True, metavar="NODES", help="nodes in the pool")
+    p.add_argument("--chips", type=int, default=8, help="chips per node (default 8)")
+    p.add_argument("--policy", required=True, choices=["fifo", "backfill", "priority", "fairshare"])
+    p.add_argument("--limit", type=int, metavar="N", help="only the first N jobs")
+    p.add_argument("--tenants", type=int, default=4, help="tenants to hash jobs into (default 4)")
+    p.add_argument("--checkpoint-interval", type=float, metavar="S",
+                   help="seconds between a job's checkpoints (preemption loses the rest; default: none)")
+    p.add_argument("--plot", metavar="PNG", help="write utilization and queue length over time")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.command == "simulate":
+            return simulate_trace(args.trace, args.capacity, args.chips, args.policy, args.limit, args.plot,
+                                  args.json, args.checkpoint_interval, args.tenants)
         if args.command == "helm-values":
             return helm_values(tuple(args.family or ()), args.image, args.tag)
         if args.command == "doctor":
