@@ -99,6 +99,12 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.strip("/")
 
 
+def _after(future, fn, *args):
+    """``fn(*args)`` once ``future`` is done (re-raising its error)."""
+    future.result()
+    return fn(*args)
+
+
 def _b64(hex_digest: str) -> str:
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
@@ -206,86 +212,6 @@ class S3Store:
                                   + "; ".join(problems[:5]))
 
     # -- download ---------------------------------------------------------------------
-    def _fetch_verified(self, step: int, files: Mapping[str, Mapping[str, Any]], tmp: Path) -> list[str]:
-        """Download every file of step ``step`` into ``tmp`` and return those whose size or
-        SHA-256 differs from the manifest.
-
-        Parts of ``chunk_size`` bytes are fetched concurrently (ranged GETs, ``concurrency``
-        at a time, files interleaved) and written at their offsets; each file's SHA-256 is
-        fed in order from the parts in memory as soon as the next one is in, so hashing runs
-        while the rest downloads and nothing is read back from disk. Bodies are streamed in
-        1 MiB reads straight to their offsets (measured here: twice the throughput of the
-        transfer manager's download, which queues 256 KiB chunks to one writer thread). A
-        part whose body breaks off is fetched again (botocore retries the request itself).
-        """
-        import threading
-
-        for rel in files:
-            if ".." in Path(rel).parts or rel.startswith("/"):
-                raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
-        chunk = self.settings.chunk_size
-        fds, state, jobs = {}, {}, []
-        try:
-            for rel in sorted(files):
-                size = int(files[rel]["size"])
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                fds[rel] = os.open(tmp / rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                state[rel] = {"lock": threading.Lock(), "next": 0, "pending": {}, "sha": hashlib.sha256(),
-                              "parts": max(1, -(-size // chunk)), "got": 0}
-            # Interleave the files' parts so each file's parts arrive roughly in order.
-            longest = max((s["parts"] for s in state.values()), default=0)
-            for i in range(longest):
-                jobs += [(rel, i) for rel in sorted(files) if i < state[rel]["parts"]]
-
-            def fetch(rel: str, i: int) -> None:
-                size, off = int(files[rel]["size"]), i * chunk
-                chunks = self._get_range(self._key(step, rel), off, min(chunk, size - off), fds[rel]) if size else []
-                st = state[rel]
-                with st["lock"]:
-                    st["pending"][i] = chunks
-                    st["got"] += sum(len(c) for c in chunks)
-                    while st["next"] in st["pending"]:
-                        for c in st["pending"].pop(st["next"]):
-                            st["sha"].update(c)
-                        st["next"] += 1
-
-            with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
-                for f in [pool.submit(fetch, rel, i) for rel, i in jobs]:
-                    f.result()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return [rel for rel in sorted(files)
-                if state[rel]["got"] != int(files[rel]["size"]) or state[rel]["next"] != state[rel]["parts"]
-                or state[rel]["sha"].hexdigest() != files[rel]["sha256"]]
-
-    def _get_range(self, key: str, offset: int, length: int, fd: int, attempts: int = 5) -> list[bytes]:
-        """Write ``length`` bytes of ``key`` from ``offset`` into ``fd`` at the same offset,
-        streamed in 1 MiB reads, and return them as chunks; a body that breaks off or comes
-        up short is fetched again (up to ``attempts`` times, backing off)."""
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
-
-        for attempt in range(attempts):
-            chunks, pos = [], offset
-            try:
-                body = self.s3.get_object(Bucket=self.bucket, Key=key,
-                                          Range=f"bytes={offset}-{offset + length - 1}")["Body"]
-                for c in body.iter_chunks(MiB):
-                    os.pwrite(fd, c, pos)
-                    pos += len(c)
-                    chunks.append(c)
-                if pos - offset == length:
-                    return chunks
-                problem = f"{pos - offset} of {length} bytes"
-            except (BotoConnectionError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError,
-                    ConnectionError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            if attempt + 1 < attempts:
-                log.warning("s3://%s/%s bytes %d+%d: %s; fetching again", self.bucket, key, offset, length, problem)
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-        raise CheckpointError(f"s3://{self.bucket}/{key} bytes {offset}+{length}: {problem} after {attempts} tries")
-
     def download(self, step: int, dest_root: Path, *, training_hash: str | None = None) -> manifest.CheckpointRef:
         """Fetch step ``step`` into ``dest_root/step-<s>`` verified (partial, then rename);
         a local copy that already verifies with the same manifest is kept.
@@ -305,7 +231,18 @@ class S3Store:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            bad = self._fetch_verified(step, files, tmp)
+            # Each file is hashed as soon as it is down, while the others still download.
+            with self._manager() as tm, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as hashers:
+                pending = {}
+                for rel in sorted(files):
+                    if ".." in Path(rel).parts or rel.startswith("/"):
+                        raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    pending[rel] = tm.download(self.bucket, self._key(step, rel), str(tmp / rel))
+                digests = {rel: hashers.submit(_after, fut, manifest.sha256_file, tmp / rel)
+                           for rel, fut in pending.items()}
+                bad = [rel for rel, d in digests.items()
+                       if d.result() != files[rel]["sha256"] or (tmp / rel).stat().st_size != files[rel]["size"]]
             if bad:
                 raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
                                       f"its manifest: {', '.join(sorted(bad)[:5])}")
