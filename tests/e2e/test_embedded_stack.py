@@ -138,7 +138,7 @@ def test_three_runs_on_a_pool_that_fits_two_one_waits_deferred(client, stack):
     assert len(deferred) == 1, deferred
     (late,) = deferred
     assert waiting_xcom[late]["state"] == "waiting" and waiting_xcom[late]["position"] == 1
-    assert "needs 2 nodes of pool 'embedded': 0 of 4 free" in waiting_xcom[late]["reason"]
+    assert "pool 'embedded': needs 2 nodes, 0 of 4 free" in waiting_xcom[late]["reason"]
     assert client.xcom(DAG, late, "provision", "admission")["state"] == "admitted"
     # It trained only after one of the others had given its nodes back.
     released = min(t["end_date"] for r in ids if r != late

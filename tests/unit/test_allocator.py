@@ -89,9 +89,9 @@ def test_requests_wait_in_order_and_are_admitted_when_capacity_frees(alloc):
     assert isinstance(alloc.request("b", tenant="t", pool="cpu", nodes=2, ttl=60, now=1), Lease)
     c = alloc.request("c", tenant="t", pool="cpu", nodes=2, ttl=60, now=2)
     assert isinstance(c, Waiting) and c.position == 1
-    assert c.reason == "needs 2 nodes of pool 'cpu': 0 of 4 free"
+    assert c.reason == "pool 'cpu': needs 2 nodes, 0 of 4 free"
     d = alloc.request("d", tenant="u", pool="cpu", nodes=1, ttl=60, now=3)
-    assert (d.position, d.reason) == (2, "needs 1 node of pool 'cpu': 0 of 4 free, 1 earlier request ahead")
+    assert (d.position, d.reason) == (2, "pool 'cpu': needs 1 node, 0 of 4 free, 1 earlier request ahead")
     assert alloc.queue("cpu") == ["c", "d"]
     alloc.release("a")
     # d asks again first, but c came first and takes the two free nodes.
@@ -138,3 +138,14 @@ def test_a_request_that_never_fits_is_refused_not_queued(alloc):
     with pytest.raises(SpecError, match="only 4 nodes in total"):
         alloc.request("big", tenant="t", pool="cpu", nodes=5, ttl=10)
     assert alloc.queue("cpu") == []
+
+
+def test_offline_nodes_are_not_handed_out_by_the_queue(alloc):
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    alloc.request("r", tenant="t", pool="cpu", nodes=2, ttl=600, now=0)
+    alloc.lose_node("r", until=100, reason="host gone")  # r holds 1, 1 node offline
+    big = alloc.request("big", tenant="t", pool="cpu", nodes=3, ttl=60, now=1)
+    assert isinstance(big, Waiting) and big.reason == "pool 'cpu': needs 3 nodes, 2 of 4 free"
+    alloc.release("big")
+    assert isinstance(alloc.request("two", tenant="t", pool="cpu", nodes=2, ttl=60, now=2), Lease)

@@ -34,6 +34,44 @@ CREATE TABLE IF NOT EXISTS waiting (
 STALE_WAIT_S = 120.0
 
 
+def _admissions(capacity: int, offline: int, leases, waiting, now: float):
+    """Which waiting runs start now, by ``trainflow.sched.decide`` over the pool's nodes (a
+    node is a 1-chip node of the model; leases and offline nodes occupy the first nodes).
+
+    Returns:
+        ``({run_key: nodes}`` of the runs that start, ``{run_key: (position, reason)}`` of
+        the others).
+    """
+    from trainflow.sched import model
+    from trainflow.sched.policy import decide
+
+    running, used = [], 0
+    unpreemptible = 10**9  # admission does not preempt (yet): what runs outranks every request
+    for key, tenant, held, granted in leases:
+        if held:
+            req = model.Request(id=key, nodes=held, chips_per_node=1, tenant=tenant, priority=unpreemptible,
+                                submitted=granted)
+            running.append(model.Running(request=req, placement=tuple(range(used, used + held)), started=granted))
+        used += held
+    if offline:
+        req = model.Request(id="\x00offline", nodes=offline, chips_per_node=1, priority=unpreemptible,
+                            submitted=now)
+        running.append(model.Running(request=req, placement=tuple(range(used, used + offline)), started=now))
+    queue = [model.Request(id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub)
+             for key, tenant, n, prio, sub in waiting]
+    decision = decide("priority", pool=model.Pool.uniform(capacity, chips=1), running=running,
+                      waiting=queue, now=now)
+    assert not decision.preempt, decision.preempt  # nothing running can be outranked
+    start = {s.request.id: s.request.nodes for s in decision.start}
+    free = capacity - offline - used
+    why = {}
+    for w in decision.waiting:  # positions count from 0 there
+        n = w.request.nodes
+        why[w.request.id] = (w.position + 1, f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
+                             + (f", {w.position} earlier request{'s' * (w.position != 1)} ahead" if w.position else ""))
+    return start, why
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A request that waits in its pool's queue: its 1-based position and why."""
@@ -112,11 +150,7 @@ class Allocator(StateDB):
         now = time.time() if now is None else now
         up_to = max(nodes, up_to or nodes)
         with self._transaction() as con:
-            capacity = self._capacity(con, pool)
-            if nodes > capacity:
-                raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
-                                f"ask for at most {capacity}")
-            con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+            capacity = self._fitting_capacity(con, pool, nodes, now)
             mine = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()
             if mine is None:
                 free = capacity - self._offline(con, pool, now) - self._used(con, pool)
@@ -138,9 +172,11 @@ class Allocator(StateDB):
         answer says where and why. Call again to renew the wait and to be admitted once
         capacity frees (idempotent; a granted run gets its lease back).
 
-        The order is strict first-come first-served within a priority (higher first): a
-        gang that does not fit blocks the ones behind it, so a large gang is never starved
-        by a stream of small ones.
+        The decision is ``trainflow.sched.decide`` (the code the trace simulator runs) with
+        the ``priority`` policy over the pool's nodes: higher priority first, first come first
+        served within a priority, and a gang that does not fit blocks the ones behind it, so
+        a large gang is never starved by a stream of small ones. Admission does not preempt
+        (yet): what runs outranks every request.
 
         Raises:
             SpecError: the pool is unknown or smaller than the request (it would never fit).
@@ -148,11 +184,7 @@ class Allocator(StateDB):
         now = time.time() if now is None else now
         up_to = max(nodes, up_to or nodes)
         with self._transaction() as con:
-            capacity = self._capacity(con, pool)
-            if nodes > capacity:
-                raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
-                                f"ask for at most {capacity}")
-            con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+            capacity = self._fitting_capacity(con, pool, nodes, now)
             if con.execute("SELECT 1 FROM leases WHERE run_key=?", (run_key,)).fetchone():
                 con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
                 granted = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()[0]
@@ -161,25 +193,22 @@ class Allocator(StateDB):
             con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
                         "seen=excluded.seen, nodes=excluded.nodes, up_to=excluded.up_to, "
                         "priority=excluded.priority", (run_key, tenant, pool, nodes, up_to, priority, now, now))
-            queue = con.execute("SELECT run_key, nodes FROM waiting WHERE pool=? "
-                                "ORDER BY priority DESC, submitted, run_key", (pool,)).fetchall()
-            free = capacity - self._offline(con, pool, now) - self._used(con, pool)
-            left = free
-            for position, (key, asked) in enumerate(queue, start=1):
-                if asked > left:
-                    break
-                if key == run_key:
-                    granted = min(left, up_to)
-                    con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
-                    con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
-                                (run_key, tenant, pool, granted, now, now + ttl))
-                    return Lease(run_key, tenant, pool, granted, now, now + ttl)
-                left -= asked
-            position = next(i for i, (key, _) in enumerate(queue, start=1) if key == run_key)
-            ahead = position - 1
-            reason = (f"needs {nodes} node{'s' * (nodes != 1)} of pool {pool!r}: {max(free, 0)} of {capacity} free"
-                      + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else ""))
-            return Waiting(run_key, pool, position, reason)
+            waiting = con.execute("SELECT run_key, tenant, nodes, priority, submitted FROM waiting "
+                                  "WHERE pool=?", (pool,)).fetchall()
+            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?",
+                                 (pool,)).fetchall()
+            offline = self._offline(con, pool, now)
+            free = capacity - offline - sum(r[2] for r in leases)
+            start, why = _admissions(capacity, offline, leases, waiting, now)
+            if run_key in start:
+                ahead = sum(start[k] for k in start if k != run_key)  # granted in this same decision
+                granted = nodes + max(0, min(up_to - nodes, free - ahead - nodes))
+                con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
+                con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
+                            (run_key, tenant, pool, granted, now, now + ttl))
+                return Lease(run_key, tenant, pool, granted, now, now + ttl)
+            position, reason = why[run_key]
+            return Waiting(run_key, pool, position, f"pool {pool!r}: {reason}")
 
     def queue(self, pool: str) -> list[str]:
         """The pool's waiting runs in admission order."""
@@ -230,6 +259,16 @@ class Allocator(StateDB):
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
+
+    def _fitting_capacity(self, con, pool: str, nodes: int, now: float) -> int:
+        """The pool's size, once a request of ``nodes`` is known to fit it when idle (expired
+        leases are dropped on the way)."""
+        capacity = self._capacity(con, pool)
+        if nodes > capacity:
+            raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
+                            f"ask for at most {capacity}")
+        con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+        return capacity
 
     @staticmethod
     def _capacity(con, pool: str) -> int:
