@@ -43,7 +43,7 @@ def test_new_verified_checkpoints_are_uploaded_as_they_appear(tmp_path):
     assert len(pub.published) == 3  # nothing new: nothing uploaded again
 
 
-def test_checkpoints_of_another_training_or_a_corrupt_one_are_not_uploaded(tmp_path):
+def test_checkpoints_of_another_training_or_a_corrupt_one_are_not_uploaded(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     store = open_store((tmp_path / "durable").as_uri(), "t", "dag", "run1")
     pub = BackgroundPublisher(run_dir, store, training_hash="h1", world_size=2, keep_last=2)
@@ -53,9 +53,18 @@ def test_checkpoints_of_another_training_or_a_corrupt_one_are_not_uploaded(tmp_p
     bad = _save(run_dir / "checkpoints", 30)
     (manifest.step_dir(run_dir / "checkpoints", 30) / "__0_0.distcp").write_bytes(b"garbage")
     assert bad.step == 30
-    pub.poll()
-    pub.close()
+    verified = []
+    real = manifest.newest_verified
+
+    def counting(*a, **kw):
+        verified.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(manifest, "newest_verified", counting)
+    for _ in range(5):
+        pub.poll()
+        pub.close()
     assert store.steps() == [10]
+    assert len(verified) == 1  # the corrupt newest is examined once, not at every poll
 
 
 def test_nodes_hydrating_together_fetch_once_and_agree(tmp_path):

@@ -135,7 +135,8 @@ class BackgroundPublisher:
         self.training_hash, self.world_size = training_hash, world_size
         self.log = log or logging.getLogger(__name__)
         self.published: list[dict] = []
-        self._last = -1
+        self._last = -1  # newest step uploaded (or found in the store)
+        self._seen = -1  # newest committed step examined: a corrupt one is hashed once, not per poll
         self._thread = None
 
     def poll(self) -> None:
@@ -144,8 +145,9 @@ class BackgroundPublisher:
         if self._thread is not None and self._thread.is_alive():
             return
         newest = next(iter(manifest.list_checkpoints(self.root)), None)
-        if newest is None or newest[0] <= self._last:
+        if newest is None or newest[0] <= max(self._last, self._seen):
             return
+        self._seen = newest[0]
         self._thread = threading.Thread(target=self._publish, name="checkpoint-upload", daemon=True)
         self._thread.start()
 
@@ -161,6 +163,7 @@ class BackgroundPublisher:
                 self.log.info("checkpoint step %d uploaded to %s", ref.step, done["uri"])
             self._last = ref.step
         except Exception as exc:  # noqa: BLE001 - an upload is retried at the next poll
+            self._seen = self._last
             self.log.warning("checkpoint upload failed, retried at the next poll: %s: %s",
                              type(exc).__name__, exc)
 
