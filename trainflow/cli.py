@@ -10,8 +10,16 @@
                                            this host's chips, health, queue and worker
                                            command (exit 1: unhealthy)
     trainflow pods SPEC.json [--node N]    the Kubernetes pods of a run, as YAML (dry run)
+    trainflow helm-values [--family F]     Airflow Helm chart values, a worker set per chip queue
+    trainflow simulate --trace CSV --capacity N --policy P
+                                           replay a job trace through a scheduling policy
+    trainflow submit [SPEC.json] [--set FIELD=VALUE] [--watch]
+                                           start a run over REST (validated here first)
+    trainflow status|watch|logs|cancel RUN_ID   a run's progress, its end, a task log, stop it
+    trainflow runs                         the DAG's recent runs
 
-Exit codes: 0 success, 1 the run failed, 2 bad input.
+Exit codes: 0 success, 1 the run failed, 2 bad input (or an unknown run), 3 the server
+could not be reached.
 """
 
 from __future__ import annotations
@@ -183,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between a job's checkpoints (preemption loses the rest; default: none)")
     p.add_argument("--plot", metavar="PNG", help="write utilization and queue length over time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    from trainflow import cli_runs
+
+    cli_runs.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in cli_runs.COMMANDS:
+        return cli_runs.run(args)
     try:
         if args.command == "simulate":
             return simulate_trace(args.trace, args.capacity, args.chips, args.policy, args.limit, args.plot,
