@@ -30,6 +30,7 @@ class FaultKind(str, enum.Enum):
     SLOW_RANK = "slow_rank"            # from the step on, the rank computes 4× slower (a straggler)
     FILL_DISK = "fill_disk"            # fill the checkpoint filesystem until the next save has failed
     DELAY_HEARTBEATS = "delay_heartbeats"  # the rank trains on but withholds heartbeats for `seconds`
+    ALLOCATE = "allocate"              # the workload allocates memory without bound (needs memory_limit_mb)
 
 
 ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.LOSE_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT,
@@ -189,6 +190,11 @@ class FaultInjector:
                 continue
             if fault.kind == FaultKind.RAISE:
                 raise ValueError(f"injected user bug at step {step} on rank {self.rank}")
+            if fault.kind == FaultKind.ALLOCATE:
+                record(self.run_dir, "fault_injected", kind=fault.kind.value, step=step, rank=self.rank)
+                hoard = []
+                while True:  # ends in MemoryError at the worker's memory limit (spec.memory_limit_mb)
+                    hoard.append(bytearray(64 << 20))
             if fault.kind == FaultKind.CRASH_RANK:
                 record(self.run_dir, "fault_injected", kind=fault.kind.value, step=step, rank=self.rank)
                 os.kill(os.getpid(), signal.SIGKILL)

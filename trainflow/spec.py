@@ -134,6 +134,13 @@ class TrainingSpec:
     retries: int = field(default=2, metadata=_meta(
         "Retries", "Airflow retries of a node task after an infrastructure failure.",
         minimum=0, maximum=10))
+    memory_limit_mb: int = field(default=0, metadata=_meta(
+        "Memory limit per worker (MiB)", "Data memory each worker process may allocate "
+        "(RLIMIT_DATA); past it an allocation fails with MemoryError and the run stops as a "
+        "user error instead of the host running out. 0: no limit.", minimum=0, maximum=16 * 1024 * 1024))
+    open_files_limit: int = field(default=0, metadata=_meta(
+        "Open files per worker", "Files and sockets each worker process may hold open "
+        "(RLIMIT_NOFILE, at most the host's hard limit). 0: inherited.", minimum=0, maximum=1 << 20))
     priority: int = field(default=0, metadata=_meta(
         "Priority", "Admission order in the node pool: higher first, first come first served "
         "within a priority.", minimum=-100, maximum=100))
@@ -168,6 +175,15 @@ class TrainingSpec:
                     fault.rank != 0 or (fault.step % self.checkpoint_interval and fault.step != self.steps)):
                 raise SpecError(f"faults[{i}]", fault.to_dict(), "corrupt_checkpoint needs rank 0 and a "
                                 f"checkpoint step (a multiple of {self.checkpoint_interval})")
+        for i, fault in enumerate(self.faults):
+            if fault.kind == FaultKind.ALLOCATE and not self.memory_limit_mb:
+                raise SpecError(f"faults[{i}]", fault.to_dict(), "allocate needs memory_limit_mb > 0 (it "
+                                "allocates until the worker's limit; without one it would exhaust the host)")
+        if 0 < self.memory_limit_mb < 512:
+            raise SpecError("memory_limit_mb", self.memory_limit_mb, "at least 512 (a worker with PyTorch loaded "
+                            "needs a few hundred MiB before it trains), or 0 for no limit")
+        if 0 < self.open_files_limit < 64:
+            raise SpecError("open_files_limit", self.open_files_limit, "at least 64, or 0 to inherit the host's")
         if self.checkpoint_interval > self.steps:
             raise SpecError("checkpoint_interval", self.checkpoint_interval,
                             f"must be at most steps ({self.steps}); lower it or raise steps")

@@ -27,13 +27,15 @@ json_values = st.recursive(
     max_leaves=8)
 hostile_text = st.one_of(
     st.text(max_size=60),
-    st.sampled_from(["..", "../x", "a/../../b", "/etc/passwd", "%2e%2e%2f", "a\x00b", "a/b", ".", "~root",
+    st.sampled_from(["..", "../x", "a/../../b", "/etc/passwd", "%2e%2e%2f", "a\x00b", "/\x00", "a/b", ".", "~root",
                      "..\\..\\x", "a\nb", " ", "CON", "é", "a" * 300]))
 conf = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), json_values | hostile_text, max_size=8)
 SCHEMA = {"type": "object", "properties": {name: {k: v for k, v in kw.items() if k not in ("default", "title",
                                                                                          "description")}
                                            for name, kw in param_schema().items()}}
-PROFILE = settings(max_examples=400, deadline=None, database=None,
+# Derandomized: the same 400 examples in every run (CI stays deterministic); change the
+# seed locally to explore further.
+PROFILE = settings(max_examples=400, deadline=None, database=None, derandomize=True,
                    suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -181,7 +181,7 @@ def durable_root(store_uri: str, tenant: str, dag_id: str, run_id: str) -> Path 
         parsed = urlparse(store_uri)
     except ValueError as exc:  # e.g. an unbalanced '[' (urllib reads it as an IPv6 host)
         raise CheckpointError(f"unsupported checkpoint store {store_uri!r}: {exc}") from exc
-    if parsed.scheme != "file" or not parsed.path.startswith("/"):
+    if parsed.scheme != "file" or not parsed.path.startswith("/") or "\x00" in parsed.path:
         raise CheckpointError(f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir "
                               f"or s3://bucket/prefix")
     # Workspace checks every component, so the run cannot escape its prefix.

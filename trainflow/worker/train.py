@@ -264,6 +264,25 @@ def save_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:1000]
 
 
+def apply_limits(spec: TrainingSpec, resource=None) -> dict[str, int]:
+    """Set this worker's resource limits from the spec (``memory_limit_mb`` → RLIMIT_DATA,
+    ``open_files_limit`` → RLIMIT_NOFILE, never above the hard limits the host set);
+    returns what was set."""
+    if resource is None:
+        import resource
+    done = {}
+    for field_name, which, scale in (("memory_limit_mb", resource.RLIMIT_DATA, 1 << 20),
+                                     ("open_files_limit", resource.RLIMIT_NOFILE, 1)):
+        want = getattr(spec, field_name)
+        if not want:
+            continue
+        _, hard = resource.getrlimit(which)
+        value = want * scale if hard == resource.RLIM_INFINITY else min(want * scale, hard)
+        resource.setrlimit(which, (value, hard))
+        done[field_name] = value
+    return done
+
+
 def run(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -278,6 +297,7 @@ def run(run_dir: Path) -> int:
     from trainflow.workloads import load_workload
 
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
+    apply_limits(spec)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("TRAINFLOW_NODE", os.environ.get("GROUP_RANK", "0")))
     if not (spec.min_world_size <= world <= spec.world_size and world % spec.nproc_per_node == 0):
