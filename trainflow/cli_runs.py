@@ -250,13 +250,28 @@ def cmd_logs(client, args) -> int:
     return EXIT_OK
 
 
+# Task states that cancelling ends (the release teardown is left to run: it frees the lease).
+ACTIVE = ("running", "queued", "scheduled", "deferred", "up_for_retry", "up_for_reschedule", "restarting")
+
+
 def cmd_cancel(client, args) -> int:
+    """Fail the run's active task instances (Airflow kills the running ones; no retry
+    follows an externally set state); downstream tasks then fail upstream and the run fails,
+    while the release teardown still frees its nodes. A run with no active task yet is
+    marked failed directly."""
     run = client.run(args.dag, args.run_id)
     if run["state"] in DONE:
         print(f"{args.dag}/{args.run_id} already ended: {run['state']}")
         return EXIT_OK
-    client.call("PATCH", f"/api/v2/dags/{_q(args.dag)}/dagRuns/{_q(args.run_id)}", {"state": "failed"})
-    print(f"cancelled {args.dag}/{args.run_id}")
+    base = f"/api/v2/dags/{_q(args.dag)}/dagRuns/{_q(args.run_id)}"
+    active = [t for t in client.task_instances(args.dag, args.run_id)
+              if t["state"] in ACTIVE and t["task_id"] != "release"]
+    for t in active:
+        path = f"{base}/taskInstances/{_q(t['task_id'])}" + (f"/{t['map_index']}" if t["map_index"] >= 0 else "")
+        client.call("PATCH", path, {"new_state": "failed", "note": "cancelled with trainflow cancel"})
+    if not active:
+        client.call("PATCH", base, {"state": "failed"})
+    print(f"cancelled {args.dag}/{args.run_id}" + (f" ({len(active)} task instances failed)" if active else ""))
     return EXIT_OK
 
 

@@ -45,11 +45,15 @@ def test_submit_watch_status_runs_logs(cli_env, capsys):
 def test_cancel_stops_a_live_run_and_watch_reports_it(cli_env, capsys):
     assert main(["submit", "--set", "steps=20000", "--set", "tenant=cli", "--run-id", "cli-cancel"]) == 0
     deadline = time.time() + 300
-    while cli_env.run(DAG, "cli-cancel")["state"] != "running" and time.time() < deadline:
+    while time.time() < deadline and not any(  # training has started
+            t["task_id"] == "shard_train" and t["state"] == "running" for t in cli_env.task_instances(DAG, "cli-cancel")):
         time.sleep(1)
     assert main(["cancel", "cli-cancel"]) == 0
     assert "cancelled train_digits/cli-cancel" in capsys.readouterr().out
     assert main(["watch", "cli-cancel", "--interval", "1", "--timeout", "300"]) == 1
     assert cli_env.run(DAG, "cli-cancel")["state"] == "failed"
+    tis = {(t["task_id"], t["map_index"]): t for t in cli_env.task_instances(DAG, "cli-cancel")}
+    assert tis[("shard_train", 0)]["state"] == "failed" and tis[("shard_train", 0)]["try_number"] == 1
+    assert tis[("release", -1)]["state"] == "success"  # the nodes were given back
     assert main(["status", "no-such-run"]) == 2
     assert "HTTP 404" in capsys.readouterr().err
