@@ -31,28 +31,33 @@ class ProvisionOperator(BaseOperator):
     def execute(self, context) -> list[dict[str, Any]]:
         from datetime import timedelta
 
+        from trainflow.cluster.allocator import Waiting
+
         spec, ws, run_key = self._validate(context)
+        self.log.info("spec: %s", spec.to_json())
         admission = self._request(spec, run_key)
-        if hasattr(admission, "position"):  # waiting: hand the wait to the triggerer
+        if isinstance(admission, Waiting):  # hand the wait to the triggerer
             self.log.info("waiting for capacity, position %d in the queue: %s", admission.position,
                           admission.reason)
             context["ti"].xcom_push(key="admission", value=admission.to_dict())
             self.defer(trigger=AdmissionTrigger(request=self._request_kwargs(spec, run_key)),
                        method_name="admitted", timeout=timedelta(seconds=float(spec.admission_timeout)))
-        return self._plan(context, spec, ws, admission)
+        return self._plan(context, spec, ws, run_key, admission)
 
     def admitted(self, context, event: dict[str, Any]) -> list[dict[str, Any]]:
         """Resume after the trigger saw the gang admitted (or the request refused)."""
         from airflow.sdk.exceptions import AirflowFailException
 
+        from trainflow.cluster.allocator import Waiting
+
         if event.get("status") != "admitted":
             raise AirflowFailException(f"admission: {event.get('message')}")
         spec, ws, run_key = self._validate(context)
         lease = self._request(spec, run_key)  # the granted lease, renewed
-        if hasattr(lease, "position"):
+        if isinstance(lease, Waiting):
             raise AirflowFailException(f"admission: the lease granted to {run_key} was lost: {lease.reason}")
         self.log.info("admitted after waiting %.0f s", event.get("waited_s", 0.0))
-        return self._plan(context, spec, ws, lease)
+        return self._plan(context, spec, ws, run_key, lease)
 
     def _validate(self, context):
         from trainflow.cluster.hosts import HostRegistry
@@ -88,14 +93,13 @@ class ProvisionOperator(BaseOperator):
         except (SpecError, TrainingError) as exc:
             raise translate(exc) from exc
 
-    def _plan(self, context, spec, ws, lease) -> list[dict[str, Any]]:
+    def _plan(self, context, spec, ws, run_key: str, lease) -> list[dict[str, Any]]:
         from trainflow.checkpoint.manifest import newest_verified
         from trainflow.cluster.allocator import Allocator
         from trainflow.cluster.slots import SlotLeases
         from trainflow.launch.local import prepare
 
         dag_id, run_id = self.dag_id, context["run_id"]
-        run_key = f"{spec.tenant}/{dag_id}/{run_id}"
         slots = spec.max_nodes + spec.spares
         self.log.info("admitted %d of %d nodes of pool %r until %.0f", lease.nodes, slots, lease.pool,
                       lease.expires)
@@ -141,7 +145,7 @@ class AdmissionTrigger(BaseTrigger):
         import asyncio
         import time
 
-        from trainflow.cluster.allocator import Allocator
+        from trainflow.cluster.allocator import Allocator, Waiting
         from trainflow.errors import SpecError
 
         said = None
@@ -151,7 +155,7 @@ class AdmissionTrigger(BaseTrigger):
             except SpecError as exc:
                 yield TriggerEvent({"status": "refused", "message": str(exc)})
                 return
-            if not hasattr(answer, "position"):
+            if not isinstance(answer, Waiting):
                 yield TriggerEvent({"status": "admitted", "nodes": answer.nodes,
                                     "waited_s": time.time() - self.started})
                 return

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.errors import SpecError
+from trainflow.rest import _q
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_DAG = "train_digits"
@@ -273,9 +274,3 @@ def cmd_cancel(client, args) -> int:
         client.call("PATCH", base, {"state": "failed"})
     print(f"cancelled {args.dag}/{args.run_id}" + (f" ({len(active)} task instances failed)" if active else ""))
     return EXIT_OK
-
-
-def _q(part: str) -> str:
-    from urllib.parse import quote
-
-    return quote(str(part), safe="")
