@@ -64,8 +64,9 @@ class ShardTrainOperator(BaseOperator):
         attempt = NodeTry(plan, node, try_number)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
-        self._hydrate(run_dir, plan)
-        uploader = self._uploader(run_dir, plan, node)
+        durable = durable_store(plan)  # one client for the fetch and the uploads
+        self._hydrate(run_dir, plan, durable)
+        uploader = self._uploader(run_dir, plan, node, durable)
 
         def poll() -> str | None:
             if uploader is not None:
@@ -119,13 +120,12 @@ class ShardTrainOperator(BaseOperator):
         self._pod.execute(context)
         return {"node": node, "pod": pod["metadata"]["name"], "ranks": [], "step": None}
 
-    def _hydrate(self, run_dir, plan: dict) -> None:
+    def _hydrate(self, run_dir, plan: dict, store) -> None:
         """Resume from the newest verified copy wherever it is: fetch the durable store's
         newest checkpoint when this workspace lost it (or never had it)."""
         from trainflow.checkpoint.store import hydrate
         from trainflow.spec import TrainingSpec
 
-        store = durable_store(plan)
         if store is None:
             return
         spec = TrainingSpec.from_mapping(plan["spec"])
@@ -134,14 +134,14 @@ class ShardTrainOperator(BaseOperator):
         if ref is not None:
             self.log.info("resume point: verified checkpoint step %d (%s)", ref.step, ref.path)
 
-    def _uploader(self, run_dir, plan: dict, node: int):
+    def _uploader(self, run_dir, plan: dict, node: int, store):
         """Node 0 uploads each new verified checkpoint to the durable store while the gang
         trains, so a run that loses the hosts holding its local copy resumes from a recent
         durable one (checkpoint_sync still publishes the final checkpoint)."""
         from trainflow.checkpoint.store import BackgroundPublisher
         from trainflow.spec import TrainingSpec
 
-        if node != 0 or (store := durable_store(plan)) is None:
+        if node != 0 or store is None:
             return None
         spec = TrainingSpec.from_mapping(plan["spec"])
         return BackgroundPublisher(run_dir, store, training_hash=spec.training_hash(),
