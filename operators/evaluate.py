@@ -31,7 +31,7 @@ class EvaluateOperator(BaseOperator):
         import json
         from pathlib import Path
 
-        from airflow.sdk.exceptions import AirflowException
+        from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
         from trainflow.report import build_report, write_report
 
@@ -50,6 +50,10 @@ class EvaluateOperator(BaseOperator):
         self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
                                  self.run_dir, "--checkpoint", path], log=self.log)
         if (rc := self._proc.run()) != 0:
+            from trainflow.worker.evaluate import USER_ERROR_EXIT_CODE
+
+            if rc == USER_ERROR_EXIT_CODE:  # the workload's own error (its message is in the log)
+                raise AirflowFailException("evaluation failed in the workload's code (see the log above)")
             raise AirflowException(f"evaluation exited with code {rc}")
         result = json.loads((Path(self.run_dir) / "metrics.json").read_text())
         checkpoint = context["ti"].xcom_pull(task_ids="checkpoint_sync", key="checkpoint")

@@ -50,6 +50,28 @@ class LazyASGIApp:
         await self.app(scope, receive, send)
 
 
+class SlashRedirect:
+    """Root middleware: ``/trainflow`` (no slash) answers 308 to ``/trainflow/``. The plugin
+    app is mounted at the prefix and matches only paths below it; without this the bare
+    prefix falls through to the Airflow UI's catch-all route and shows its 404 page."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        root = scope.get("root_path", "").rstrip("/")
+        # Starlette's path may or may not carry the root path (it changed across versions).
+        if scope["type"] == "http" and scope.get("path") in (URL_PREFIX, root + URL_PREFIX):
+            target = root + URL_PREFIX + "/"
+            if scope.get("query_string"):
+                target += "?" + scope["query_string"].decode("latin-1")
+            await send({"type": "http.response.start", "status": 308,
+                        "headers": [(b"location", target.encode("latin-1")), (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app():
     """The FastAPI app of the training page (API and HTML)."""
     from typing import Annotated
@@ -88,6 +110,11 @@ def create_app():
         state: data.RunState = Field(description="pending, running, stalled, completed or failed.")
         state_reason: str
         evaluated: bool = Field(description="metrics.json was written (the evaluate task ran).")
+        goodput: float | None = Field(None, description="Share of the run's wall time so far that went into "
+                                                        "training that was kept (1 − recovery − redone steps).")
+        allocation: dict[str, Any] | None = Field(None, description="pool, held (slots holding a node now), "
+                                                                    "slots (largest gang + spares), released "
+                                                                    "(when the release teardown freed them).")
         updated: float = Field(description="Unix time of the latest activity.")
 
     class RankHealth(BaseModel):
@@ -127,6 +154,12 @@ def create_app():
         checkpoints: list[CheckpointInfo] = Field(description="Committed checkpoints, newest first.")
         errors: list[dict[str, Any]]
         timeline: list[dict[str, Any]] = Field(description="Events, each with kind fault, recovery or info.")
+        faults: list[dict[str, Any]] = Field(description="Each fault: kind, time, step, detection_s, recovery_s, "
+                                                         "resumed_from_step, steps_lost, membership.")
+        membership: list[dict[str, Any]] = Field(description="Gang changes: change (shrink, grow, spare_used, replaced), "
+                                                             "world_from, world_to, joined, left.")
+        recovery_s: float | None = Field(None, description="Seconds spent recovering from faults.")
+        steps_lost: int | None = Field(None, description="Steps trained again after faults.")
         now: float
 
     class Message(BaseModel):
@@ -191,16 +224,19 @@ def create_app():
              dependencies=[Depends(requires_access_view(AccessView.WEBSITE))], summary="The training page")
     def page(request: Request) -> HTMLResponse:
         # The mount prefix (and the api-server's root path) come with the request.
-        api = request.scope.get("root_path", "").rstrip("/") + "/api"
-        return HTMLResponse(render_page(api))
+        root = request.scope.get("root_path", "").rstrip("/")
+        ui = root[: -len(URL_PREFIX)] if root.endswith(URL_PREFIX) else ""
+        return HTMLResponse(render_page(root + "/api", ui))
 
     return app
 
 
-def render_page(api_base: str) -> str:
-    """The page, with the API's base path filled in (as a JS string literal)."""
+def render_page(api_base: str, ui_base: str = "") -> str:
+    """The page, with the API's base path and the Airflow UI's (for links to task logs)
+    filled in as JS string literals."""
     literal = json.dumps(api_base).replace("<", "\\u003c")
-    return (PAGE.replace("__API__", literal)
+    ui = json.dumps(ui_base).replace("<", "\\u003c")
+    return (PAGE.replace("__API__", literal).replace("__UI__", ui)
             .replace("__LIVE_MS__", str(LIVE_REFRESH_MS)).replace("__IDLE_MS__", str(IDLE_REFRESH_MS)))
 
 
@@ -209,6 +245,7 @@ class TrainflowUIPlugin(AirflowPlugin):
 
     name = "trainflow_ui"
     fastapi_apps = [{"app": LazyASGIApp(create_app), "url_prefix": URL_PREFIX, "name": "trainflow"}]
+    fastapi_root_middlewares = [{"middleware": SlashRedirect, "name": "trainflow_slash"}]
     # A top-level button of the UI's navigation; with url_route the UI shows the page in a
     # frame at /plugin/training (same origin: the page's API calls carry the session cookie).
     external_views = [{"name": "Training", "href": URL_PREFIX + "/", "destination": "nav",
@@ -235,11 +272,11 @@ svg text{fill:var(--muted);font-size:11px}
 <h1>Training runs <button id="refresh">Refresh</button> <span id="status" class="muted"></span></h1>
 <div id="msg"></div>
 <table><thead><tr><th>State</th><th>DAG / run</th><th>Workload</th><th>Chip</th><th>Nodes</th><th>Ranks</th>
-<th>Step</th><th>Loss</th><th>Samples/s</th><th>Last heartbeat</th></tr></thead><tbody id="runs"></tbody></table>
+<th>Step</th><th>Loss</th><th>Samples/s</th><th>Goodput</th><th>Allocation</th><th>Last heartbeat</th></tr></thead><tbody id="runs"></tbody></table>
 <div id="detail"></div>
 <script>
 "use strict";
-const API = __API__, LIVE_MS = __LIVE_MS__, IDLE_MS = __IDLE_MS__;
+const API = __API__, UI = __UI__, LIVE_MS = __LIVE_MS__, IDLE_MS = __IDLE_MS__;
 const LIVE = new Set(["pending", "running", "stalled"]);
 let selected = location.hash.length > 1 ? decodeURIComponent(location.hash.slice(1)) : null, timer = null;
 const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"})[c]);
@@ -248,6 +285,16 @@ const age = s => s == null ? "" : s < 120 ? num(s, 1) + " s ago" : s < 7200 ? nu
 const when = t => t == null ? "" : new Date(t * 1000).toLocaleTimeString();
 const badge = s => `<span class="badge ${esc(s)}">${esc(s)}</span>`;
 const key = r => `${r.tenant}/${r.dag_id}/${r.run_id}`;
+const pctOf = v => v == null ? "" : num(100 * v, 1) + " %";
+const secs = v => v == null ? "" : num(v, 1) + " s";
+const alloc = a => a == null ? "" : a.released ? `<span class="muted">released (${esc(a.pool)})</span>` : `${esc(a.held)}${a.slots == null ? "" : "/" + esc(a.slots)} <span class="muted">${esc(a.pool)}</span>`;
+// Airflow UI pages of the run's task instances (the node tasks are one mapped task).
+const taskUrl = (d, task, index) => `${UI}/dags/${encodeURIComponent(d.dag_id)}/runs/${encodeURIComponent(d.run_id)}/tasks/${task}` + (index == null ? "" : `/mapped/${index}`);
+function taskLinks(d) {
+  const nodes = d.node_agents.map(n => n.node);
+  const links = [["provision"], ...nodes.map(n => ["shard_train", n]), ["heartbeat_watch"], ["checkpoint_sync"], ["evaluate"], ["release"]];
+  return links.map(([t, i]) => `<a href="${esc(taskUrl(d, t, i))}" target="_top">${esc(t)}${i == null ? "" : "[" + i + "]"}</a>`).join(" · ");
+}
 async function get(path) {
   const r = await fetch(API + path, {credentials: "same-origin", headers: {Accept: "application/json"}});
   if (r.status === 401 || r.status === 403) throw new Error("Not signed in to Airflow (HTTP " + r.status + "): sign in to the Airflow UI, then reload.");
@@ -261,8 +308,9 @@ function runsTable(runs) {
       <td>${esc(r.dag_id)} / ${esc(r.run_id)} <span class="muted">${esc(r.tenant)}</span></td><td>${esc(r.workload)}</td>
       <td>${esc(r.chip)}</td><td>${esc(r.nodes)}</td><td>${esc(r.ranks_reporting)}/${esc(r.current_world_size ?? r.world_size)}</td>
       <td>${esc(r.step ?? "")}/${esc(r.total_steps)}<span class="bar"><i style="width:${pct}%"></i></span></td>
-      <td>${num(r.loss, 4)}</td><td>${num(r.samples_per_s)}</td><td>${age(r.last_heartbeat_age_s)}</td></tr>`;
-  }).join("") || `<tr><td colspan="10" class="muted">No runs yet.</td></tr>`;
+      <td>${num(r.loss, 4)}</td><td>${num(r.samples_per_s)}</td><td>${pctOf(r.goodput)}</td><td>${alloc(r.allocation)}</td>
+      <td>${age(r.last_heartbeat_age_s)}</td></tr>`;
+  }).join("") || `<tr><td colspan="12" class="muted">No runs yet.</td></tr>`;
   for (const tr of document.querySelectorAll("tr.run")) tr.onclick = () => { selected = tr.dataset.key; location.hash = encodeURIComponent(selected); tick(); };
 }
 function lossChart(points) {
@@ -293,6 +341,12 @@ function detailView(d) {
     const rest = Object.entries(e).filter(([k]) => !["time", "event", "kind"].includes(k)).map(([k, v]) => `${esc(k)}=${esc(typeof v === "object" ? JSON.stringify(v) : v)}`).join(" ");
     return `<tr><td>${when(e.time)}</td><td class="${esc(e.kind)}">${esc(e.event)}</td><td>${rest}</td></tr>`;
   }).join("");
+  const faults = d.faults.slice().reverse().map(f => `<tr><td>${when(f.time)}</td><td class="fault">${esc(f.kind)}</td><td>${esc(f.step ?? "")}</td>
+    <td>${secs(f.detection_s)}</td><td class="${f.recovery_s == null ? "muted" : "recovery"}">${f.recovery_s == null ? (f.restarts ? "recovering" : "no restart") : secs(f.recovery_s)}</td>
+    <td>${esc(f.resumed_from_step ?? "")}</td><td>${esc(f.steps_lost ?? "")}</td><td>${f.membership ? esc(f.membership.change) + " " + esc(f.membership.world_from) + "→" + esc(f.membership.world_to) : ""}</td></tr>`).join("");
+  const members = d.membership.slice().reverse().map(m => `<tr><td>${when(m.time)}</td><td class="recovery">${esc(m.change)}</td><td>${esc(m.step)}</td>
+    <td>${esc(m.world_from)} → ${esc(m.world_to)}</td><td>${esc(JSON.stringify(m.nodes_from ?? ""))} → ${esc(JSON.stringify(m.nodes_to ?? ""))}</td>
+    <td>${esc((m.joined || []).join(", "))}</td><td>${esc((m.left || []).join(", "))}</td><td>${esc((m.spares_used || []).join(", "))}</td></tr>`).join("");
   const ev = d.evaluation;
   const evalHtml = ev ? `<table>${Object.entries(ev.metrics || {}).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${esc(typeof v === "number" ? num(v, 4) : v)}</td></tr>`).join("")}
     ${ev.target ? `<tr><th>target</th><td class="${ev.target.met ? "completed" : "failed"}">${esc(ev.target.metric)} ${esc(ev.target.op)} ${esc(ev.target.value)}: ${ev.target.met ? "met" : "not met"}</td></tr>` : ""}
@@ -303,12 +357,23 @@ function detailView(d) {
    <div class="panel"><h2>Loss</h2>${lossChart(d.loss_curve)}</div>
    <div class="panel"><h2>Evaluation</h2>${evalHtml}</div>
   </div>
-  <h2>Ranks</h2><table><thead><tr><th>Rank</th><th>Node</th><th>Health</th><th>State</th><th>Step</th><th>Loss</th><th>Samples/s</th><th>Progress</th><th>Alive</th><th>Phase</th></tr></thead><tbody>${ranks || `<tr><td colspan="10" class="muted">No heartbeats yet.</td></tr>`}</tbody></table>
+  <h2>Ranks</h2><table id="ranks"><thead><tr><th>Rank</th><th>Node</th><th>Health</th><th>State</th><th>Step</th><th>Loss</th><th>Samples/s</th><th>Progress</th><th>Alive</th><th>Phase</th></tr></thead><tbody>${ranks || `<tr><td colspan="10" class="muted">No heartbeats yet.</td></tr>`}</tbody></table>
   <h2>Node agents</h2><table><thead><tr><th>Node</th><th>State</th><th>Started</th><th>Ended</th><th>Error</th></tr></thead><tbody>${nodes}</tbody></table>
   <h2>Checkpoints</h2><table><thead><tr><th>Step</th><th>Bytes</th><th>Verified</th><th>Path</th></tr></thead><tbody>${ckpts || `<tr><td colspan="4" class="muted">None yet.</td></tr>`}</tbody></table>
   ${errors ? `<h2>Errors</h2><table><thead><tr><th>Rank</th><th>Kind</th><th>Type</th><th>Message</th></tr></thead><tbody>${errors}</tbody></table>` : ""}
-  <h2>Fault timeline</h2><table><thead><tr><th>Time</th><th>Event</th><th>Details</th></tr></thead><tbody>${events || `<tr><td colspan="3" class="muted">No faults.</td></tr>`}</tbody></table>`;
+  <h2>Faults <span class="muted">goodput ${pctOf(d.goodput)}, ${secs(d.recovery_s)} recovering, ${esc(d.steps_lost ?? 0)} steps redone</span></h2>
+  <table id="faults"><thead><tr><th>Time</th><th>Fault</th><th>Step</th><th>Detected after</th><th>Recovered after</th><th>Resumed from</th><th>Steps lost</th><th>Gang</th></tr></thead>
+  <tbody>${faults || `<tr><td colspan="8" class="muted">No faults.</td></tr>`}</tbody></table>
+  <h2>Gang membership</h2><table id="membership"><thead><tr><th>Time</th><th>Change</th><th>At step</th><th>World</th><th>Nodes</th><th>Joined</th><th>Left</th><th>Spares used</th></tr></thead>
+  <tbody>${members || `<tr><td colspan="8" class="muted">Unchanged since the start.</td></tr>`}</tbody></table>
+  <h2>Task logs</h2><p id="tasks">${taskLinks(d)}</p>
+  <h2>Events</h2><table><thead><tr><th>Time</th><th>Event</th><th>Details</th></tr></thead><tbody>${events || `<tr><td colspan="3" class="muted">No faults.</td></tr>`}</tbody></table>`;
 }
+// A link or the address bar may name another run (#tenant/dag/run): follow it.
+window.addEventListener("hashchange", () => {
+  const want = location.hash.length > 1 ? decodeURIComponent(location.hash.slice(1)) : null;
+  if (want && want !== selected) { selected = want; tick(); }
+});
 async function tick() {
   clearTimeout(timer);
   const msg = document.getElementById("msg");

@@ -57,6 +57,11 @@ class UserCodeError(WorkerFailedError):
     """A worker failed in the workload's own code: retrying cannot help."""
 
 
+class WorkloadOutputError(TrainingError):
+    """The workload returned what trainflow cannot publish (unbounded or malformed metrics):
+    its own fault, retrying cannot help; the message names the value and the fix."""
+
+
 class CheckpointError(TrainingError):
     """A checkpoint could not be written, read or verified."""
 

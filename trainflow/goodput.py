@@ -19,6 +19,8 @@ def fault_records(events: list[dict]) -> list[dict]:
     after it; a membership change at that resume (shrink, grow, spare used) is attached."""
     out: list[dict] = []
     for e in events:
+        if "event" not in e or "time" not in e:
+            continue  # not an event of ours (a foreign or damaged line)
         if e["event"] == "membership":
             # the gang that resumed has other members: say so on the record it ended
             resumed = [rec for rec in out if rec.get("resumed_time", 0) <= e["time"] and "membership" not in rec]
@@ -57,7 +59,7 @@ def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dic
     goodput = 1 − (time spent recovering + time spent redoing lost steps) / wall time,
     with the step time taken from the run itself.
     """
-    events = timeline.read(run_dir)
+    events = [e for e in timeline.read(run_dir) if "event" in e and "time" in e]
     faults = fault_records(events)
     wall = max(ended - started, 1e-9)
     recovering = sum(f.get("recovery_s", 0.0) for f in faults)
@@ -65,7 +67,8 @@ def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dic
     step_time = max(wall - recovering, 0.0) / max(steps + lost, 1)
     wasted = recovering + lost * step_time
     return {"faults": faults, "membership": [
-                {k: e[k] for k in ("time", "step", "change", "world_from", "world_to", "joined", "left", "spares_used")
+                {k: e[k] for k in ("time", "step", "change", "world_from", "world_to", "nodes_from", "nodes_to",
+                                 "joined", "left", "spares_used")
                  if k in e} for e in events if e["event"] == "membership"],
             "wall_s": round(wall, 3), "recovery_s": round(recovering, 3),
             "steps_lost": lost, "goodput": round(max(0.0, 1 - wasted / wall), 4)}

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainflow.bounds import clip, newest
 from trainflow.goodput import summarize
 from trainflow.heartbeat import current_gang, read_all
 from trainflow.timeline import read as timeline_read
@@ -28,6 +29,8 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
     ends = [float(n["ended"]) for n in nodes.values() if "ended" in n]
     goodput = summarize(run_dir, started=min(starts), ended=max(ends),
                         steps=int(plan["spec"]["steps"])) if starts and ends else None
+    if goodput:
+        goodput["faults"], goodput["membership"] = newest(goodput["faults"]), newest(goodput["membership"])
     return {
         "generated": time.time(),
         "goodput": goodput,
@@ -42,11 +45,13 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
                   for r, b in sorted(current_gang(beats, plan["world_size"])[0].items())},
         "checkpoint": checkpoint,
         "metrics": metrics,
-        "stragglers": [{k: v for k, v in e.items() if k != "event"}
-                       for e in events if e["event"] == "straggler"],
-        "membership": [{k: v for k, v in e.items() if k != "event"}
-                       for e in events if e["event"] == "membership"],
-        "errors": [{k: e.get(k) for k in ("rank", "type", "message")} for e in errors],
+        # Bounded: each list keeps its newest items, each message its head (``bounds``).
+        "stragglers": newest([{k: v for k, v in e.items() if k != "event"}
+                              for e in events if e["event"] == "straggler"]),
+        "membership": newest([{k: v for k, v in e.items() if k != "event"}
+                              for e in events if e["event"] == "membership"]),
+        "errors": newest([{"rank": e.get("rank"), "type": clip(e.get("type"), 200),
+                           "message": clip(e.get("message"))} for e in errors]),
     }
 
 

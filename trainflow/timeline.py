@@ -18,7 +18,17 @@ MAX_LINE = 4096
 def append(path: Path, obj: dict) -> None:
     """Append one JSON line (a single O_APPEND write of < 4 KiB, so concurrent writers do
     not tear)."""
-    line = json.dumps(obj, sort_keys=True)[:MAX_LINE - 1]
+    line = json.dumps(obj, sort_keys=True)
+    if len(line.encode()) >= MAX_LINE:  # clip long texts (a cut line would not parse: the event lost)
+        for limit in (512, 64):
+            obj = {k: (v[:limit] + f"… [{len(v) - limit} more characters]" if isinstance(v, str)
+                       and len(v) > limit else v) for k, v in obj.items()}
+            line = json.dumps(obj, sort_keys=True)
+            if len(line.encode()) < MAX_LINE:
+                break
+        else:  # still too long (many fields): keep what identifies the event
+            line = json.dumps({k: obj[k] for k in ("time", "event", "step", "rank", "kind") if k in obj}
+                              | {"clipped": True}, sort_keys=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (line + "\n").encode())

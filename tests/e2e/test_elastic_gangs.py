@@ -54,6 +54,17 @@ def _events(client, run_id, name):
     return [e for e in read_timeline(client.xcom(DAG, run_id, "provision", "run_dir")) if e["event"] == name]
 
 
+def _training_page(client, run_id) -> dict:
+    """The run as the training page's API serves it (the plugin in the api-server)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"{client.base_url}/trainflow/api/runs/{CONF['tenant']}/{DAG}/{run_id}",
+                                 headers={"Authorization": f"Bearer {client.token()}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
 def _recovery(client, run_id) -> float:
     (fault,) = [f for f in client.xcom(DAG, run_id, "evaluate", "goodput")["faults"] if f["kind"] != "grow"]
     return fault["recovery_s"]
@@ -80,6 +91,7 @@ def test_a_hot_spare_recovers_faster_than_an_airflow_retry(client):
     tis = _run(client, "spare-one", {"nodes": 2, "spares": 1, "faults": kill})
     (change,) = _events(client, "spare-one", "membership")
     assert change["change"] == "spare_used" and change["world_to"] == 2, change
+    assert [m["change"] for m in _training_page(client, "spare-one")["membership"]] == ["spare_used"]
     # the spare's task ran from the start (try 1); the killed node's retry became the new spare
     (spare,) = change["spares_used"]
     assert tis[("shard_train", spare)]["try_number"] == 1
@@ -122,6 +134,11 @@ def test_the_gang_grows_back_when_capacity_returns(client, clean_full):
     assert (grow["world_from"], grow["world_to"]) == (2, 3)
     (window,) = _events(client, run_id, "grow_window")
     assert window["step"] == grow["step"] and grow["step"] % CONF["checkpoint_interval"] == 0
+    # Every change is on the training page: its membership table and the faults it ended.
+    page = _training_page(client, run_id)
+    assert [(m["change"], m["world_from"], m["world_to"]) for m in page["membership"]] == [
+        ("shrink", 3, 2), ("grow", 2, 3)]
+    assert [f["membership"]["change"] for f in page["faults"] if "membership" in f] == ["shrink", "grow"]
     _exact_coverage(client, run_id, CONF["steps"])
     ours = client.xcom(DAG, run_id, "evaluate", "metrics")
     assert abs(ours["accuracy"] - clean_full["accuracy"]) <= ACCURACY_TOLERANCE, (ours, clean_full)

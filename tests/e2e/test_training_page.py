@@ -3,9 +3,14 @@ secured by Airflow's own auth, reading a run trained over REST."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +46,8 @@ def test_the_finished_run_through_the_api(stack, finished):
     row = next(r for r in json.loads(body) if r["run_id"] == RUN)
     assert (row["dag_id"], row["state"], row["step"], row["total_steps"]) == (DAG, "completed", 60, 60)
     assert row["evaluated"] and row["world_size"] == 2
+    assert row["goodput"] > 0.9  # no fault: only the logging between steps is not training
+    assert (row["allocation"]["pool"], row["allocation"]["held"]) == ("embedded", 0) and row["allocation"]["released"]
 
     status, body = get(stack, f"/trainflow/api/runs/e2e/{DAG}/{RUN}", finished)
     assert status == 200, body
@@ -61,3 +68,130 @@ def test_the_page_and_its_place_in_the_ui(stack, client, finished):
     mine = next(p for p in plugins if p["name"] == "trainflow_ui")
     assert mine["fastapi_apps"][0]["url_prefix"] == "/trainflow"
     assert mine["external_views"][0]["href"] == "/trainflow/"
+
+
+# --- The page in a real browser: Debian's headless Chromium driven by Selenium ---------------
+LIVE = "e2e-page-live"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+# Where the screenshots go: a test artifact CI keeps (the path is printed too).
+ARTIFACTS = Path(os.environ.get("TRAINFLOW_TEST_ARTIFACTS", "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("needs Debian's chromium and chromium-driver (scripts/test installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not try to download
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    # Closed network here: without the background-networking flags Chromium keeps trying
+    # Google's hosts. --no-sandbox: the tests run as root.
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1400,2200",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def console_errors(driver, allowed: tuple[str, ...] = ()) -> list[dict]:
+    """The browser console's SEVERE entries since the last call (reading empties the log)."""
+    return [e for e in driver.get_log("browser")
+            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)]
+
+
+def text(driver, selector: str) -> str:
+    """The element's visible text, read in one script call (no element handle to go stale)."""
+    return driver.execute_script(f"return document.querySelector({json.dumps(selector)})?.innerText || ''")
+
+
+def wait_for(driver, predicate, timeout: float, what: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:  # the page re-renders every few seconds: a found element may go stale, look again
+        return WebDriverWait(driver, timeout, poll_frequency=0.25,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: predicate(d))
+    except Exception as exc:  # selenium's TimeoutException: say what did not appear
+        shot = ARTIFACTS / "training-page-timeout.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(shot))
+        raise AssertionError(f"{what} not shown within {timeout} s (screenshot {shot})\n"
+                             f"{driver.find_element('tag name', 'body').text[:3000]}") from exc
+
+
+def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finished, browser):
+    from selenium.webdriver.common.by import By
+
+    # A run that trains long enough to be watched live (cancelled when seen).
+    client.trigger(DAG, {"nodes": 2, "steps": 100000, "checkpoint_interval": 2000, "tenant": "e2e"}, run_id=LIVE)
+
+    # Sign in the way a person does: the page sends a signed-out browser to Airflow's login
+    # form, which brings it back.
+    browser.get(stack.url + "/trainflow")  # without the slash: redirected, not the UI's 404
+    assert console_errors(browser, allowed=("401 (Unauthorized)",)) == []
+    browser.find_element(By.LINK_TEXT, "sign in to Airflow").click()
+    user, password = stack.credentials()
+    wait_for(browser, lambda d: d.find_elements(By.NAME, "username"), 60, "the login form")
+    browser.find_element(By.NAME, "username").send_keys(user)
+    browser.find_element(By.NAME, "password").send_keys(password)
+    browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    wait_for(browser, lambda d: d.current_url.rstrip("/").endswith("/trainflow")
+             and d.find_elements(By.CSS_SELECTOR, "tr.run"), 60, "the list of runs after signing in")
+
+    # The live run: its ranks report healthy heartbeats, refreshed without a reload. (Opened
+    # once provision made its workspace: before that the API rightly answers 404.)
+    deadline = time.monotonic() + 180
+    while LIVE not in get(stack, "/trainflow/api/runs?tenant=e2e", finished)[1]:
+        assert time.monotonic() < deadline, "the live run was never provisioned"
+        time.sleep(1)
+    browser.get(f"{stack.url}/trainflow/#e2e/{DAG}/{LIVE}")
+    ranks = ("return [...document.querySelectorAll('#ranks tbody tr')].filter(r => r.cells.length > 4)"
+             ".map(r => [r.cells[2].textContent, +r.cells[4].textContent])")
+
+    def live_steps(d) -> list[int]:
+        """The live run's ranks' steps when all of them show healthy (else [])."""
+        if LIVE not in text(d, "#detail h2"):
+            return []
+        rows = d.execute_script(ranks)
+        return [s for _, s in rows] if rows and all(h == "healthy" for h, _ in rows) else []
+
+    wait_for(browser, lambda d: len(steps := live_steps(d)) == 2 and min(steps) > 0, 300,
+             "the live run's two healthy, training ranks")
+    first = min(live_steps(browser) or [0])
+    wait_for(browser, lambda d: min(live_steps(d) or [0]) > first, 60, "the live run's steps advancing without a reload")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "training-page-live.png"))
+    links = browser.execute_script("return [...document.querySelectorAll('#tasks a')].map(a => a.href)")
+    assert f"{stack.url}/dags/{DAG}/runs/{LIVE}/tasks/shard_train/mapped/1" in links
+    assert console_errors(browser) == []
+
+    # The finished run: its loss chart, verified checkpoints and evaluation.
+    wait_for(browser, lambda d: d.find_element(By.CSS_SELECTOR, f'tr.run[data-key="e2e/{DAG}/{RUN}"]').click()
+             or True, 10, "the finished run's row")
+    wait_for(browser, lambda d: RUN in text(d, "#detail h2") and "completed" in text(d, "#detail h2"), 30,
+             "the finished run")
+    path = browser.execute_script(
+        "return document.querySelector('svg[aria-label=\"training loss by step\"] path').getAttribute('d')")
+    assert path.startswith("M") and path.count("L") >= 2  # the loss chart: one point per heartbeat
+    detail = text(browser, "#detail")
+    assert "released (embedded)" in text(browser, f'tr.run[data-key="e2e/{DAG}/{RUN}"]')
+    assert "verified" in detail and "accuracy" in detail and "No faults." in detail
+    browser.save_screenshot(str(ARTIFACTS / "training-page-finished.png"))
+    assert console_errors(browser) == []
+
+    # Done watching: cancel the live run the way the CLI does (its tasks failed, no retry).
+    from trainflow.cli_runs import cmd_cancel
+
+    assert cmd_cancel(client, argparse.Namespace(dag=DAG, run_id=LIVE)) == 0
+    assert client.wait_run(DAG, LIVE, timeout=180)["state"] == "failed"

@@ -246,9 +246,16 @@ def test_the_plugin_mounts_the_app_and_the_page_calls_the_mounted_api(airflow_au
     assert ExternalViewResponse(**view).href == "/trainflow/"
     root = FastAPI()
     root.mount(entry["url_prefix"], entry["app"])
+    for mw in ui.TrainflowUIPlugin.fastapi_root_middlewares:  # as init_plugins adds them
+        root.add_middleware(mw["middleware"], *mw.get("args", []), **mw.get("kwargs", {}))
     with TestClient(root) as c:
         headers = {"Authorization": f"Bearer {token(airflow_auth)}"}
-        assert 'const API = "/trainflow/api"' in c.get("/trainflow/", headers=headers).text
+        page = c.get("/trainflow/", headers=headers).text
+        assert 'const API = "/trainflow/api"' in page and 'UI = ""' in page  # task-log links: the UI's root
+        # The bare prefix would fall through to the UI's catch-all: it redirects instead.
+        bare = c.get("/trainflow?x=1", follow_redirects=False)
+        assert (bare.status_code, bare.headers["location"]) == (308, "/trainflow/?x=1")
+        assert c.get("/trainflowx", follow_redirects=False).status_code == 404  # only the prefix itself
         assert [r["run_id"] for r in c.get("/trainflow/api/runs", headers=headers).json()] == [RUN]
         assert c.get("/trainflow/api/runs").status_code == 401
 
@@ -268,7 +275,7 @@ const els = {};
 const el = id => els[id] || (els[id] = {innerHTML: "", textContent: ""});
 globalThis.document = {getElementById: el, querySelectorAll: () => []};
 globalThis.location = {hash: ""};
-globalThis.window = {};
+globalThis.window = {addEventListener: () => {}};
 const ANSWERS = __ANSWERS__;
 globalThis.fetch = async (url, opts) => {
   if (opts.credentials !== "same-origin") throw new Error("the UI session cookie must go along");

@@ -196,3 +196,44 @@ def test_torn_files_do_not_break_the_page(tmp_path):
     assert (row["workload"], row["step"], row["ranks_reporting"]) == ("digits", 3, 1)  # spec.json still read
     d = run_detail(tmp_path, "default", "train_digits", "manual__1")
     assert d["evaluation"] is None and d["timeline"] == [] and [r["rank"] for r in d["ranks"]] == [0]
+
+
+def test_faults_membership_goodput_and_allocation(tmp_path):
+    run_dir = make_run(tmp_path, nodes=3, beats={0: training(50), 1: training(50)})
+    write_json_atomic(run_dir / "nodes" / "lease.json", {"run_key": "k", "pool": "embedded", "granted": 3})
+    for node in (0, 1):
+        (run_dir / "nodes" / f"slot-{node:04d}.held").touch()
+    t = time.time() - 4
+    for event, kw, at in (("gang_start", {"step": 0, "nodes": [0, 1, 2], "world": 3}, t),
+                          ("fault_injected", {"kind": "kill_node", "node": 2, "step": 31}, t + 1),
+                          ("stall_detected", {"ranks": [2]}, t + 1.5),
+                          ("resumed", {"step": 20}, t + 3),
+                          ("membership", {"step": 20, "change": "shrink", "world_from": 3, "world_to": 2,
+                                          "nodes_from": [0, 1, 2], "nodes_to": [0, 1], "joined": [],
+                                          "left": [2], "spares_used": []}, t + 3.1)):
+        timeline.append(run_dir / "timeline.jsonl", {"time": at, "event": event, **kw})
+    now = t + 4
+    [row] = list_runs(tmp_path, now=now)
+    assert row["allocation"] == {"pool": "embedded", "held": 2, "slots": 3, "released": None}
+    assert 0 < row["goodput"] < 1
+    d = run_detail(tmp_path, "default", "train_digits", "manual__1", now=now)
+    [fault] = d["faults"]
+    assert (fault["kind"], fault["step"], fault["detection_s"], fault["recovery_s"], fault["resumed_from_step"],
+            fault["steps_lost"]) == ("kill_node", 31, 0.5, 2.0, 20, 10)
+    assert fault["membership"] == {"change": "shrink", "world_from": 3, "world_to": 2, "joined": [], "left": [2]}
+    [change] = d["membership"]
+    assert (change["change"], change["nodes_to"], change["left"], change["step"]) == ("shrink", [0, 1], [2], 20)
+    assert (d["recovery_s"], d["steps_lost"], d["goodput"]) == (2.0, 10, row["goodput"])
+    assert json.loads(json.dumps(d)) == d
+    write_json_atomic(run_dir / "nodes" / "released.json", {"time": now, "freed": True})
+    assert list_runs(tmp_path, now=now)[0]["allocation"] == {"pool": "embedded", "held": 0, "slots": 3, "released": now}
+
+
+def test_a_run_before_provision_has_no_allocation_or_goodput(tmp_path):
+    run_dir = make_run(tmp_path)
+    for p in (run_dir / "nodes").glob("node-*.json"):
+        p.unlink()
+    [row] = list_runs(tmp_path)
+    assert row["allocation"] is None and row["goodput"] is None
+    d = run_detail(tmp_path, "default", "train_digits", "manual__1")
+    assert d["faults"] == [] and d["membership"] == [] and d["recovery_s"] is None

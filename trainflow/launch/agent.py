@@ -314,6 +314,14 @@ def run(plan_path: Path, node: int) -> int:
     die_with_parent(os.getppid())
     restore_priority()
     plan = json.loads(Path(plan_path).read_text())
+    # The workers run the user's code: they get only what training needs, none of the
+    # task's secrets (Airflow's configuration, cloud credentials; ``launch.envtrim``).
+    from trainflow.launch.envtrim import trim_this_process
+
+    dropped = trim_this_process()
+    if dropped:
+        print(f"[node {node}] {len(dropped)} environment variables kept from the workers "
+              f"(TRAINFLOW_WORKER_ENV_ALLOW adds names)", flush=True)
     os.environ.update(agent_env(plan, node))
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"
     status_file.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from trainflow.bounds import clip
 from trainflow.checkpoint.manifest import list_checkpoints, read_manifest, verify
 from trainflow.errors import SpecError
+from trainflow.goodput import summarize
 from trainflow.heartbeat import HeartbeatPolicy, RankState, Verdict, classify, current_gang, read_all
 from trainflow.remediation import aborted
 from trainflow.timeline import read as timeline_read
@@ -86,6 +88,34 @@ def _nodes(run_dir: Path) -> list[dict]:
     return out
 
 
+def _allocation(run_dir: Path, spec: dict) -> dict | None:
+    """The run's capacity: its pool, the slots holding a node now, the slots it may use
+    (the gang's largest size plus its spares), and when the release teardown gave them back
+    (None while held). None before provision admitted it."""
+    lease = _json_dict(run_dir / "nodes" / "lease.json")
+    if not lease:
+        return None
+    nodes = spec.get("nodes")
+    top = int(str(nodes).split(":")[-1]) if nodes is not None and str(nodes).split(":")[-1].isdigit() else None
+    released = _json_dict(run_dir / "nodes" / "released.json")  # the release teardown ran
+    return {"pool": lease.get("pool"),
+            "held": 0 if released else len(list((run_dir / "nodes").glob("slot-*.held"))),
+            "slots": None if top is None else top + int(spec.get("spares") or 0),
+            "released": released.get("time")}
+
+
+def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float) -> dict | None:
+    """The run's goodput so far (``goodput.summarize`` over the node agents' lifetime, up to
+    now while one still runs); None before any node agent started."""
+    starts = [float(n["started"]) for n in nodes if n.get("started")]
+    if not starts:
+        return None
+    ends = [float(n["ended"]) for n in nodes if n.get("ended")]
+    live = len(ends) < len(nodes)
+    return summarize(run_dir, started=min(starts), ended=now if live or not ends else max(ends),
+                     steps=int(step or 0))
+
+
 def _state(run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], nodes: list[dict],
            started_at: float, now: float) -> tuple[RunState, str]:
     """Decide the run's state and say why. Pure apart from reading the control files."""
@@ -121,6 +151,7 @@ def _summary(ws: Workspace, now: float) -> dict:
     steps = [int(b.get("step", 0)) for b in gang.values()]
     last_beat = max((float(b.get("alive", b.get("time", 0))) for b in beats.values()), default=None)
     rank0 = gang.get(0) or {}
+    good = _goodput(run_dir, nodes, min(steps) if steps else None, now)
     return {
         "tenant": ws.tenant, "dag_id": ws.dag_id, "run_id": ws.run_id,
         "workload": spec.get("workload"), "chip": spec.get("chip"), "strategy": spec.get("strategy"),
@@ -133,6 +164,8 @@ def _summary(ws: Workspace, now: float) -> dict:
         "last_heartbeat_age_s": None if last_beat is None else round(max(0.0, now - last_beat), 3),
         "state": state.value, "state_reason": reason,
         "evaluated": ws.metrics_file.exists(),
+        "goodput": None if good is None else good["goodput"],
+        "allocation": _allocation(run_dir, spec),
         "updated": max(last_beat or 0.0, planned),
     }
 
@@ -249,8 +282,10 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
     for p in sorted((ws.dir / "errors").glob("rank-*.json")):
         e = _json(p)
         if isinstance(e, dict):
-            errors.append({k: e.get(k) for k in ("rank", "kind", "type", "message", "time")})
+            errors.append({**{k: e.get(k) for k in ("rank", "kind", "type", "time")},
+                           "message": clip(e.get("message"))})
     events = [{**e, "kind": _kind(str(e.get("event")))} for e in timeline_read(ws.dir) if "event" in e]
+    good = _goodput(ws.dir, _nodes(ws.dir), summary["step"], now) or {}
     return {
         **summary,
         "spec": spec,
@@ -262,6 +297,11 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
         "checkpoints": _checkpoints(ws.checkpoints),
         "errors": errors,
         "timeline": events[-MAX_EVENTS:],
+        # Each fault with its detection, recovery and steps lost (goodput.fault_records), and
+        # every change of the gang's members (elastic shrink/grow, a hot spare taking over).
+        "faults": (good.get("faults") or [])[-MAX_EVENTS:],
+        "membership": (good.get("membership") or [])[-MAX_EVENTS:],
+        "recovery_s": good.get("recovery_s"), "steps_lost": good.get("steps_lost"),
         "now": now,
     }
 

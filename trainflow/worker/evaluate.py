@@ -14,12 +14,15 @@ import operator
 import sys
 from pathlib import Path
 
+from trainflow.bounds import check_metrics
 from trainflow.checkpoint import manifest
-from trainflow.errors import CheckpointError
+from trainflow.errors import CheckpointError, WorkloadOutputError
 from trainflow.spec import TrainingSpec
 from trainflow.workspace import write_json_atomic
 
 _OPS = {">=": operator.ge, "<=": operator.le}
+# Exit code of a failure in the workload's own code (bad metrics): the task fails, no retry.
+USER_ERROR_EXIT_CODE = 3
 
 
 def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
@@ -44,7 +47,7 @@ def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
         raise CheckpointError(f"no verified checkpoint to evaluate ({checkpoint or run_dir / 'checkpoints'})")
     workload = load_workload(spec)
     dcp.load_model_only(workload.model, ref.path)
-    metrics = {k: v for k, v in workload.evaluate(workload.model).items()}
+    metrics = check_metrics(workload.evaluate(workload.model))  # bounded: it goes to XCom and the page
     result = {
         "workload": spec.workload,
         "step": ref.step,
@@ -65,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--checkpoint")
     args = parser.parse_args(argv)
-    result = evaluate(args.run_dir, args.checkpoint)
+    try:
+        result = evaluate(args.run_dir, args.checkpoint)
+    except WorkloadOutputError as exc:  # the workload's own fault: retrying cannot help
+        print(f"evaluation failed in the workload: {exc}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
     write_json_atomic(args.run_dir / "metrics.json", result)
     print(json.dumps(result, sort_keys=True))
     return 0

@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from trainflow import timeline
+from trainflow.bounds import clip
 from trainflow.checkpoint import manifest
 from trainflow.errors import ChipUnavailableError, CrashLoopError, UserCodeError
 from trainflow.heartbeat import HeartbeatWriter, RankState
@@ -446,7 +447,8 @@ def run(run_dir: Path) -> int:
                   samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma)
         if rank == 0 and (time.time() - curve_t >= spec.heartbeat_interval or done == spec.steps):
             curve_t = time.time()  # the loss curve of the report's plot, redone steps included
-            timeline.append(run_dir / "curve.jsonl", {"time": curve_t, "step": done, "loss": loss_value})
+            timeline.append(run_dir / "curve.jsonl", {"time": curve_t, "step": done, "loss": loss_value,
+                                                       "world": world, "global_batch": global_batch})
         if done % spec.checkpoint_interval == 0 or done == spec.steps:
             beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
                       checkpoint_step=last_ckpt, force=True)
@@ -516,15 +518,15 @@ def main(argv: list[str] | None = None) -> int:
         fatal = user or isinstance(exc, (CrashLoopError, ChipUnavailableError))
         kind = ("user" if user else "crash_loop" if isinstance(exc, CrashLoopError)
                 else "chip_unavailable" if fatal else "infrastructure")
-        error = {"rank": rank, "kind": kind,
-                 "type": type(exc.__cause__ or exc).__name__, "message": str(exc),
+        error = {"rank": rank, "kind": kind,  # bounded: it reaches XComs, the report, the page
+                 "type": type(exc.__cause__ or exc).__name__, "message": clip(exc),
                  "traceback": traceback.format_exc()[-8000:], "time": time.time()}
         err_dir = args.run_dir / "errors"
         err_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(err_dir / f"rank-{rank:05d}.json", error)
         if fatal:
             # A deterministic bug or a crash loop: restarting cannot help. Stop every agent.
-            record(args.run_dir, "user_error" if user else kind, rank=rank, message=str(exc))
+            record(args.run_dir, "user_error" if user else kind, rank=rank, message=clip(exc))
             abort(args.run_dir, error)
             print(f"[rank {rank}] {kind} failure, run aborted:\n{error['traceback']}",
                   file=sys.stderr, flush=True)
