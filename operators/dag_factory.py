@@ -7,11 +7,11 @@ heartbeat_watch beside shard_train and the release teardown.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from airflow.sdk import DAG, Asset, ExceptionRetryPolicy, Param, RetryAction, RetryRule
 
-from trainflow.spec import TrainingSpec, param_schema
+from trainflow.spec import TrainingSpec, check_tenants, param_schema
 
 
 def checkpoint_asset(dag_id: str) -> Asset:
@@ -34,7 +34,7 @@ NODE_RETRY_POLICY = ExceptionRetryPolicy(rules=[
 def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
                  schedule: Any = None, description: str | None = None,
                  tags: list[str] | None = None, max_active_runs: int = 4,
-                 node_pool: str = "embedded") -> DAG:
+                 node_pool: str = "embedded", tenants: Sequence[str] | None = None) -> DAG:
     """Build a training DAG whose trigger form and REST conf are validated by the spec.
 
     Args:
@@ -43,6 +43,10 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         schedule: an Airflow schedule (cron string, timetable, assets) or None.
         description, tags, max_active_runs: as for ``DAG``.
         node_pool: trainflow allocator pool the runs are admitted from.
+        tenants: the tenants this DAG runs for (None: any). With Airflow granting access per
+            DAG, one DAG per tenant (or group of tenants) makes DAG access tenant access: the
+            trigger form offers only these, Airflow refuses any other in a conf, and
+            provision checks again.
     """
     from operators.checkpoint_sync import CheckpointSyncOperator
     from operators.evaluate import EvaluateOperator
@@ -52,7 +56,8 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
     from sensors.heartbeat import HeartbeatSensor
 
     spec = TrainingSpec.from_mapping(dict(defaults or {}))
-    params = {name: Param(**kw) for name, kw in param_schema(defaults).items()}
+    tenants = check_tenants(tenants)
+    params = {name: Param(**kw) for name, kw in param_schema(defaults, tenants).items()}
     with DAG(
         dag_id=dag_id,
         description=description or f"Train {spec.workload} with trainflow",
@@ -66,7 +71,8 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         render_template_as_native_obj=False,
     ) as dag:
         provision = ProvisionOperator(task_id="provision", retries=2,
-                                      retry_delay=timedelta(seconds=5), node_pool=node_pool)
+                                      retry_delay=timedelta(seconds=5), node_pool=node_pool,
+                                      tenants=tenants)
         shards = ShardTrainOperator.partial(
             task_id="shard_train", queue=spec.queue, retries=10,
             retry_delay=timedelta(seconds=2), retry_policy=NODE_RETRY_POLICY,

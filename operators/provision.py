@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from airflow.sdk import BaseOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -21,12 +21,15 @@ class ProvisionOperator(BaseOperator):
 
     :param node_pool: trainflow allocator pool to admit the gang from (not an Airflow pool).
     :param lease_ttl: seconds a lease lives before it expires (backstop for crashed runs).
+    :param tenants: the tenants the DAG runs for (None: any); another is refused, naming them.
     """
 
-    def __init__(self, *, node_pool: str = "embedded", lease_ttl: float = 24 * 3600, **kwargs: Any) -> None:
+    def __init__(self, *, node_pool: str = "embedded", lease_ttl: float = 24 * 3600,
+                 tenants: Sequence[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.node_pool = node_pool
         self.lease_ttl = lease_ttl
+        self.tenants = list(tenants) if tenants is not None else None
 
     def execute(self, context) -> list[dict[str, Any]]:
         from datetime import timedelta
@@ -63,11 +66,12 @@ class ProvisionOperator(BaseOperator):
         from trainflow.cluster.hosts import HostRegistry
         from trainflow.errors import SpecError
         from trainflow.plan import check_devices
-        from trainflow.spec import TrainingSpec
+        from trainflow.spec import TrainingSpec, check_tenant
         from trainflow.workspace import Workspace, default_root
 
         try:
             spec = TrainingSpec.from_mapping(dict(context["params"]))
+            check_tenant(spec.tenant, self.tenants)
             ws = Workspace(default_root(), spec.tenant, self.dag_id, context["run_id"])
             check_devices(spec, HostRegistry().inventory(spec.queue))
         except SpecError as exc:

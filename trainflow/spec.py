@@ -13,7 +13,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from trainflow.chips.registry import FAMILIES
 from trainflow.errors import SpecError
@@ -338,11 +338,34 @@ def _check_field(name: str, value: Any, typ: str, schema: Mapping[str, Any]) -> 
         raise SpecError(name, value, f"must match {schema['pattern']}")
 
 
-def param_schema(defaults: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def check_tenants(tenants: Sequence[str] | None) -> tuple[str, ...] | None:
+    """A DAG's tenants (``training_dag(tenants=...)``), checked: names as the spec's
+    ``tenant`` field accepts them, at least one. None: any tenant may run the DAG."""
+    if tenants is None:
+        return None
+    if isinstance(tenants, str) or not tenants:
+        raise SpecError("tenants", tenants, "a non-empty list of tenant names, or None for any tenant")
+    for name in tenants:
+        TrainingSpec(tenant=name)  # the field's own pattern and its error
+    return tuple(tenants)
+
+
+def check_tenant(tenant: str, tenants: Sequence[str] | None) -> None:
+    """Refuse a run whose ``tenant`` is not one of the DAG's (a user who may trigger this
+    DAG cannot act, be billed or be shown as another tenant)."""
+    if tenants is not None and tenant not in tenants:
+        raise SpecError("tenant", tenant, f"this DAG runs only for tenant(s) {', '.join(tenants)}; "
+                                          f"use one of them, or a DAG of your own tenant")
+
+
+def param_schema(defaults: Mapping[str, Any] | None = None,
+                 tenants: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     """JSON-schema keyword arguments for one Airflow ``Param`` per spec field.
 
     Args:
         defaults: per-DAG defaults overriding the dataclass defaults (validated).
+        tenants: the DAG's tenants: the ``tenant`` field becomes a choice among them (the
+            trigger form and Airflow's conf validation refuse any other).
 
     Returns:
         ``{field: {"default": ..., "type": ..., "title": ..., "description": ..., ...}}``.
@@ -359,4 +382,8 @@ def param_schema(defaults: Mapping[str, Any] | None = None) -> dict[str, dict[st
             "description": meta["description"],
             **meta["schema"],
         }
+    if (tenants := check_tenants(tenants)) is not None:
+        out["tenant"]["enum"] = list(tenants)
+        if out["tenant"]["default"] not in tenants:
+            out["tenant"]["default"] = tenants[0]
     return out

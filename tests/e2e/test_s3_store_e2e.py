@@ -70,3 +70,11 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, 
     leaked = [p for top in (s3_stack.home / "logs", s3_stack.trainflow_home) for p in top.rglob("*")
               if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == []
+    # Nor in the training page's API answers (the run list and the run in full).
+    import urllib.request
+
+    for path in ("/trainflow/api/runs", f"/trainflow/api/runs/s3e2e/{DAG}/{run_id}"):
+        req = urllib.request.Request(s3_stack.url + path, headers={"Authorization": f"Bearer {client.token()}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = resp.read().decode()
+        assert run_id in body and secret not in body, path

@@ -315,3 +315,35 @@ def test_the_page_script_renders_a_live_run_and_escapes_its_text(client, auth, u
     signed_out = {"/api/runs": [401, {"detail": "Not authenticated"}]}
     got = run_page(client.get("/", headers=auth).text, signed_out)
     assert "Not signed in to Airflow (HTTP 401)" in got["msg"]
+
+
+def test_access_follows_the_auth_managers_per_dag_decision(airflow_auth, ui, tmp_path, monkeypatch):
+    """Two tenants' DAGs; the auth manager lets the viewer read only ``train_digits``: the
+    other tenant's run is neither listed nor readable (403), whatever the query says."""
+    from fastapi.testclient import TestClient
+
+    home = tmp_path / "trainflow"
+    spec = TrainingSpec(nodes=1, steps=10, checkpoint_interval=5)
+    for tenant, dag_id in (("team-a", "train_digits"), ("team-b", "team_b_train")):
+        ws = Workspace(home / "runs", tenant, dag_id, "r1").create()
+        write_json_atomic(ws.spec_file, spec.to_dict())
+        write_json_atomic(ws.plan_file, build_plan(spec, dag_id=dag_id, run_id="r1", run_dir=str(ws.dir),
+                                                   rdzv_endpoint="sqlite:///x"))
+    real = type(airflow_auth).is_authorized_dag
+    asked = []
+
+    def only_digits(self, *, method, user, access_entity=None, details=None):
+        asked.append(details.id if details else None)
+        return (details is None or details.id in (None, "train_digits")) and real(
+            self, method=method, user=user, access_entity=access_entity, details=details)
+
+    monkeypatch.setattr(type(airflow_auth), "is_authorized_dag", only_digits)
+    monkeypatch.setenv("TRAINFLOW_HOME", str(home))
+    auth = {"Authorization": f"Bearer {token(airflow_auth)}"}
+    with TestClient(ui.create_app()) as c:
+        assert [(r["tenant"], r["dag_id"]) for r in c.get("/api/runs", headers=auth).json()] == [
+            ("team-a", "train_digits")]
+        assert c.get("/api/runs?tenant=team-b", headers=auth).json() == []
+        assert c.get("/api/runs/team-b/team_b_train/r1", headers=auth).status_code == 403
+        assert c.get("/api/runs/team-a/train_digits/r1", headers=auth).status_code == 200
+    assert "team_b_train" in asked  # the decision was the auth manager's
