@@ -6,6 +6,8 @@
     trainflow validate SPEC.json           check a spec; exit 2 with the field, value and fix
     trainflow hosts [--uncordon H | --cordon H --reason R]
                                            host failures and cordons; lift or set one
+    trainflow quota [--pool P] [--set TENANT=NODES | --unset TENANT]
+                                           a pool's tenant quotas (fair-share admission)
     trainflow doctor [--chip F | --queue Q] [--json] [--register]
                                            this host's chips, health, queue and worker
                                            command (exit 1: unhealthy)
@@ -62,6 +64,24 @@ def chaos(run_dir: Path, action: str, rank: int) -> dict:
     if action != "cont_rank":
         record(run_dir, "fault_injected", kind=action, rank=rank, step=int(beat["step"]) + 1, source="chaos")
     return {"action": action, "rank": rank, "pid": pid, "step": beat["step"]}
+
+
+def quota(pool: str, assign: str | None, unset: str | None) -> int:
+    """Set or remove one tenant's quota, then print the pool's quotas and queue."""
+    from trainflow.cluster.allocator import Allocator
+
+    alloc = Allocator()
+    if assign is not None:
+        tenant, sep, nodes = assign.partition("=")
+        if not sep or not nodes.strip().isdigit():
+            raise SpecError("--set", assign, "TENANT=NODES, e.g. --set vision=4")
+        alloc.set_quota(pool, tenant.strip(), int(nodes))
+    elif unset is not None:
+        alloc.set_quota(pool, unset, None)
+    quotas = alloc.quotas(pool)
+    print(json.dumps({"pool": pool, "policy": "fairshare" if quotas else "priority", "quotas": quotas,
+                      "queue": alloc.queue(pool)}, indent=1))
+    return 0
 
 
 def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
@@ -160,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--uncordon", metavar="HOST")
     g.add_argument("--cordon", metavar="HOST")
     p.add_argument("--reason", default="cordoned by an operator")
+    p = sub.add_parser("quota", help="list or set a pool's tenant quotas; a pool with quotas admits "
+                                     "runs by fair share")
+    p.add_argument("--pool", default="embedded", help="allocator pool (default: embedded)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--set", metavar="TENANT=NODES")
+    g.add_argument("--unset", metavar="TENANT")
     p = sub.add_parser("doctor", help="this host's chip family, devices, health, queue and worker command")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chip", help="family to check (default: detected)")
@@ -209,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             return pods(args.spec, args.node, args.dag_id, args.run_id)
         if args.command == "hosts":
             return hosts(args.uncordon, args.cordon, args.reason)
+        if args.command == "quota":
+            return quota(args.pool, args.set, args.unset)
         if args.command == "validate":
             print(_spec(args.spec).to_json())
             return 0

@@ -149,3 +149,55 @@ def test_offline_nodes_are_not_handed_out_by_the_queue(alloc):
     assert isinstance(big, Waiting) and big.reason == "pool 'cpu': needs 3 nodes, 2 of 4 free"
     alloc.release("big")
     assert isinstance(alloc.request("two", tenant="t", pool="cpu", nodes=2, ttl=60, now=2), Lease)
+
+
+def test_with_quotas_a_tenant_within_its_share_goes_before_an_earlier_borrower(alloc):
+    """Fair share: tenant a fills the pool by borrowing b's idle quota; when a node frees,
+    b's run (within its quota) gets it although a's fifth run asked earlier; a's run keeps
+    waiting while b's waits (no lending then). Without quotas, first come first served."""
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    alloc.set_quota("cpu", "a", 2)
+    alloc.set_quota("cpu", "b", 2)
+    assert alloc.quotas("cpu") == {"a": 2, "b": 2}
+    for i in range(4):  # a2, a3 borrow b's idle quota
+        assert isinstance(alloc.request(f"a{i}", tenant="a", pool="cpu", nodes=1, ttl=60, now=i), Lease)
+    a5 = alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=10)
+    b1 = alloc.request("b1", tenant="b", pool="cpu", nodes=1, ttl=60, now=11)
+    assert isinstance(a5, Waiting) and isinstance(b1, Waiting)
+    assert "tenant 'b' is within its quota of 2" in b1.reason and "does not preempt" in b1.reason
+    assert alloc.queue("cpu") == ["b1", "a5"]  # b is below its share: first
+    alloc.release("a0")
+    again = alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=12)  # asks first: still waits
+    assert isinstance(again, Waiting) and again.position == 2
+    assert isinstance(alloc.request("b1", tenant="b", pool="cpu", nodes=1, ttl=60, now=13), Lease)
+    assert isinstance(alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=14), Waiting)
+
+    alloc.set_quota("cpu", "a", None)
+    alloc.set_quota("cpu", "b", None)
+    assert alloc.quotas("cpu") == {}
+    alloc.release("a1")  # no quotas: the queue's order again (a5 is the only one waiting)
+    assert isinstance(alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=15), Lease)
+
+
+def test_a_tenant_without_quota_borrows_idle_nodes_but_admission_never_preempts(alloc):
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    alloc.set_quota("cpu", "a", 4)
+    c = alloc.request("c1", tenant="c", pool="cpu", nodes=3, ttl=60, now=0)
+    assert isinstance(c, Lease) and c.nodes == 3  # a's quota is idle: lent
+    a = alloc.request("a1", tenant="a", pool="cpu", nodes=2, ttl=60, now=1)
+    assert isinstance(a, Waiting)  # within its quota, but c's run keeps its nodes
+    assert "within its quota of 4" in a.reason and "admission does not preempt" in a.reason
+    c2 = alloc.request("c2", tenant="c", pool="cpu", nodes=1, ttl=60, now=2)
+    assert isinstance(c2, Waiting)  # a free node, but a run within its quota waits: no lending
+    alloc.release("c1")
+    assert isinstance(alloc.request("a1", tenant="a", pool="cpu", nodes=2, ttl=60, now=3), Lease)
+
+
+def test_quotas_are_checked(alloc):
+    for bad in (-1, 1.5, True):
+        with pytest.raises(SpecError, match="invalid quota"):
+            alloc.set_quota("cpu", "a", bad)
+    with pytest.raises(SpecError, match="tenant"):
+        alloc.set_quota("cpu", "Bad Name", 1)

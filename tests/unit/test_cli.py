@@ -20,3 +20,16 @@ def test_chaos_refuses_unknown_ranks(tmp_path, capsys):
     (tmp_path / "heartbeats").mkdir()
     assert main(["chaos", str(tmp_path), "--kill-rank", "3"]) == 2
     assert "invalid rank=3: no heartbeat for this rank" in capsys.readouterr().err
+
+
+def test_quota_sets_lists_and_unsets_a_pools_shares(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINFLOW_STATE_DB", str(tmp_path / "state.db"))
+    assert main(["quota", "--set", "vision=3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"pool": "embedded", "policy": "fairshare", "quotas": {"vision": 3}, "queue": []}
+    assert main(["quota", "--pool", "embedded", "--unset", "vision"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "priority"
+    assert main(["quota", "--set", "vision"]) == 2
+    assert "invalid --set='vision': TENANT=NODES" in capsys.readouterr().err
+    assert main(["quota", "--set", "Bad Name=2"]) == 2
+    assert "invalid tenant='Bad Name'" in capsys.readouterr().err

@@ -24,6 +24,9 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS offline (
     pool TEXT NOT NULL, run_key TEXT NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS quotas (
+    pool TEXT NOT NULL, tenant TEXT NOT NULL, nodes INTEGER NOT NULL, PRIMARY KEY (pool, tenant)
+);
 CREATE TABLE IF NOT EXISTS waiting (
     run_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, pool TEXT NOT NULL, nodes INTEGER NOT NULL,
     up_to INTEGER NOT NULL, priority INTEGER NOT NULL, submitted REAL NOT NULL, seen REAL NOT NULL
@@ -34,9 +37,15 @@ CREATE TABLE IF NOT EXISTS waiting (
 STALE_WAIT_S = 120.0
 
 
-def _admissions(capacity: int, offline: int, leases, waiting, now: float):
+def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas: dict[str, int] | None = None):
     """Which waiting runs start now, by ``trainflow.sched.decide`` over the pool's nodes (a
     node is a 1-chip node of the model; leases and offline nodes occupy the first nodes).
+
+    Without quotas the policy is ``priority``; with quotas (nodes per tenant) it is
+    ``fairshare``: requests within their tenant's quota first, least-served tenant first,
+    idle quota lent to the others. Admission does not preempt: a start that would need a
+    running run reclaimed (``Start.after``) waits instead, and so does every start behind
+    it that the free nodes cannot hold without it.
 
     Returns:
         ``({run_key: nodes}`` of the runs that start, ``{run_key: (position, reason)}`` of
@@ -59,16 +68,43 @@ def _admissions(capacity: int, offline: int, leases, waiting, now: float):
         running.append(model.Running(request=req, placement=tuple(range(used, used + offline)), started=now))
     queue = [model.Request(id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub)
              for key, tenant, n, prio, sub in waiting]
-    decision = decide("priority", pool=model.Pool.uniform(capacity, chips=1), running=running,
-                      waiting=queue, now=now)
-    assert not decision.preempt, decision.preempt  # nothing running can be outranked
-    start = {s.request.id: s.request.nodes for s in decision.start}
+    policy = "fairshare" if quotas else "priority"
+    decision = decide(policy, pool=model.Pool.uniform(capacity, chips=1), running=running,
+                      waiting=queue, now=now, quotas=quotas or None)
     free = capacity - offline - used
+    start, held_back, left = {}, [], free
+    usage: dict[str, int] = {}
+    for _, tenant, held, _ in leases:
+        usage[tenant] = usage.get(tenant, 0) + held
+    for s in decision.start:
+        r = s.request
+        borrows = bool(quotas) and usage.get(r.tenant, 0) + r.nodes > quotas.get(r.tenant, 0)
+        # Held back: it needs a reclaim (not done) or nodes it would only get by one, or it
+        # borrows while a run within its quota waits for nodes (lending stops then).
+        if s.after or r.nodes > left or (borrows and held_back):
+            held_back.append(r)
+            continue
+        start[r.id] = r.nodes
+        usage[r.tenant] = usage.get(r.tenant, 0) + r.nodes
+        left -= r.nodes
     why = {}
+    # Positions are 1-based and count every run ahead: those that start now (they are
+    # granted when they next ask), then those held back, then the policy's queue.
+    for i, r in enumerate(held_back, start=len(start)):
+        within = bool(quotas) and usage.get(r.tenant, 0) + r.nodes <= quotas.get(r.tenant, 0)
+        why[r.id] = (i + 1, f"needs {r.nodes} node{'s' * (r.nodes != 1)}, {max(left, 0)} of {capacity} free: "
+                            + (f"tenant {r.tenant!r} is within its quota of {quotas.get(r.tenant, 0)}; nodes lent "
+                               f"to tenants over theirs return when their runs end (admission does not preempt)"
+                               if within else "a run within its tenant's quota waits first (no lending meanwhile)"))
     for w in decision.waiting:  # positions count from 0 there
         n = w.request.nodes
-        why[w.request.id] = (w.position + 1, f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
-                             + (f", {w.position} earlier request{'s' * (w.position != 1)} ahead" if w.position else ""))
+        share = (f"; tenant {w.request.tenant!r}: quota {quotas.get(w.request.tenant, 0)} node(s)"
+                 if quotas else "")
+        ahead = len(start) + len(held_back) + w.position
+        why[w.request.id] = (ahead + 1,
+                             f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
+                             + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else "")
+                             + share)
     return start, why
 
 
@@ -138,6 +174,31 @@ class Allocator(StateDB):
             con.execute("INSERT INTO pools VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET nodes=excluded.nodes",
                         (name, nodes))
 
+    def set_quota(self, pool: str, tenant: str, nodes: int | None) -> None:
+        """Give ``tenant`` a quota of ``nodes`` in ``pool`` (None removes it). A pool with any
+        quota admits by fair share (``request``); a tenant without one only borrows idle nodes.
+
+        Raises:
+            SpecError: a negative or non-integer quota, or a bad tenant name.
+        """
+        from trainflow.spec import TrainingSpec
+
+        TrainingSpec(tenant=tenant)  # the tenant field's own check and error
+        with closing(self._connect()) as con:
+            if nodes is None:
+                con.execute("DELETE FROM quotas WHERE pool=? AND tenant=?", (pool, tenant))
+                return
+            if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
+                raise SpecError("quota", nodes, "a whole number of nodes, 0 or more")
+            con.execute("INSERT INTO quotas VALUES (?, ?, ?) ON CONFLICT(pool, tenant) DO UPDATE SET "
+                        "nodes=excluded.nodes", (pool, tenant, nodes))
+
+    def quotas(self, pool: str) -> dict[str, int]:
+        """The pool's quotas, tenant → nodes (empty: admission by priority, no shares)."""
+        with closing(self._connect()) as con:
+            return dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=? ORDER BY tenant",
+                                    (pool,)).fetchall())
+
     def admit(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
               up_to: int | None = None, now: float | None = None) -> Lease:
         """Grant ``nodes`` of ``pool`` to ``run_key`` all-or-nothing (idempotent per run);
@@ -172,11 +233,13 @@ class Allocator(StateDB):
         answer says where and why. Call again to renew the wait and to be admitted once
         capacity frees (idempotent; a granted run gets its lease back).
 
-        The decision is ``trainflow.sched.decide`` (the code the trace simulator runs) with
-        the ``priority`` policy over the pool's nodes: higher priority first, first come first
-        served within a priority, and a gang that does not fit blocks the ones behind it, so
-        a large gang is never starved by a stream of small ones. Admission does not preempt
-        (yet): what runs outranks every request.
+        The decision is ``trainflow.sched.decide`` (the code the trace simulator runs) over
+        the pool's nodes. Without quotas, the ``priority`` policy: higher priority first,
+        first come first served within a priority, and a gang that does not fit blocks the
+        ones behind it, so a large gang is never starved by a stream of small ones. With
+        quotas (``set_quota``), ``fairshare``: runs within their tenant's quota first, the
+        least-served tenant first, idle quota lent to others; while a run within its quota
+        waits, nobody borrows. Admission does not preempt (yet): what runs keeps its nodes.
 
         Raises:
             SpecError: the pool is unknown or smaller than the request (it would never fit).
@@ -199,7 +262,8 @@ class Allocator(StateDB):
                                  (pool,)).fetchall()
             offline = self._offline(con, pool, now)
             free = capacity - offline - sum(r[2] for r in leases)
-            start, why = _admissions(capacity, offline, leases, waiting, now)
+            quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
+            start, why = _admissions(capacity, offline, leases, waiting, now, quotas)
             if run_key in start:
                 ahead = sum(start[k] for k in start if k != run_key)  # granted in this same decision
                 granted = nodes + max(0, min(up_to - nodes, free - ahead - nodes))
@@ -211,10 +275,22 @@ class Allocator(StateDB):
             return Waiting(run_key, pool, position, f"pool {pool!r}: {reason}")
 
     def queue(self, pool: str) -> list[str]:
-        """The pool's waiting runs in admission order."""
+        """The pool's waiting runs in admission order (the order ``request`` decides in: by
+        priority, or by fair share where the pool has quotas)."""
+        now = time.time()
         with closing(self._connect()) as con:
-            return [r[0] for r in con.execute("SELECT run_key FROM waiting WHERE pool=? "
-                                              "ORDER BY priority DESC, submitted, run_key", (pool,))]
+            waiting = con.execute("SELECT run_key, tenant, nodes, priority, submitted FROM waiting "
+                                  "WHERE pool=? ORDER BY priority DESC, submitted, run_key", (pool,)).fetchall()
+            if not waiting:
+                return []
+            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?",
+                                 (pool,)).fetchall()
+            quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
+            capacity, offline = self._capacity(con, pool), self._offline(con, pool, now)
+        if not quotas:
+            return [r[0] for r in waiting]
+        start, why = _admissions(capacity, offline, leases, waiting, now, quotas)
+        return sorted((r[0] for r in waiting), key=lambda k: (k not in start, why.get(k, (0,))[0]))
 
     def grow(self, run_key: str, *, by: int = 1, now: float | None = None) -> bool:
         """Add ``by`` nodes to the run's lease if they are free now; False otherwise (or if
