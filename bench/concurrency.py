@@ -1,0 +1,121 @@
+"""bench/concurrency: 21 runs from 3 tenants queued at once, fair share vs first come first served.
+
+On the real embedded stack (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
+a pool of 4 node slots): one DAG per tenant (``training_dag(tenants=[...])``), 21 one-node
+digits runs triggered at once over REST — tenant ``a`` first with 13 runs, then ``b`` with 4
+and ``c`` with 4. Twice in one stack: first with no quotas (admission by priority: first come,
+first served), then with quotas a=2, b=1, c=1 (fair share). Reported per tenant: time from
+trigger to the run's first training step (the rank's ``first_step`` timeline event), p50 and
+p95, and whether every run completed.
+
+    .venv/bin/python bench/concurrency.py
+
+Writes bench/results/concurrency.json; goal: every run completes, no tenant starves (b's and
+c's runs do not wait for all of a's), p50/p95 reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainflow.launch.local import free_port  # noqa: E402
+from trainflow.stack import EmbeddedStack  # noqa: E402
+from trainflow.timeline import read as read_timeline  # noqa: E402
+
+TENANTS = {"a": 13, "b": 4, "c": 4}  # runs per tenant, triggered in this order
+QUOTAS = {"a": 2, "b": 1, "c": 1}
+CONF = {"nodes": 1, "steps": 40, "checkpoint_interval": 20, "batch_size": 16, "heartbeat_interval": 0.5,
+        "admission_timeout": 3600}
+DAG_FILE = '''from operators.dag_factory import training_dag
+
+for tenant in {tenants!r}:
+    globals()["dag_" + tenant] = training_dag(
+        f"train_{{tenant}}", defaults={{"workload": "digits", "tenant": tenant}}, tenants=[tenant],
+        max_active_runs=32)
+'''
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def wave(client, label: str) -> dict:
+    """Trigger every tenant's runs at once; wait for all; each run's trigger → first step."""
+    triggered = {}
+    for tenant, n in TENANTS.items():
+        for i in range(n):
+            run_id = f"{label}-{tenant}-{i:02d}"
+            triggered[(tenant, run_id)] = time.time()
+            client.trigger(f"train_{tenant}", {**CONF, "tenant": tenant}, run_id=run_id)
+    out: dict = {"per_tenant": {}, "failed": []}
+    waits: dict[str, list[float]] = {t: [] for t in TENANTS}
+    for (tenant, run_id), t0 in triggered.items():
+        run = client.wait_run(f"train_{tenant}", run_id, timeout=3600, poll=2)
+        if run["state"] != "success":
+            out["failed"].append(run_id)
+            continue
+        run_dir = client.xcom(f"train_{tenant}", run_id, "provision", "run_dir")
+        first = min(e["time"] for e in read_timeline(run_dir) if e["event"] == "first_step")
+        waits[tenant].append(first - t0)
+    for tenant, w in waits.items():
+        out["per_tenant"][tenant] = {"runs": TENANTS[tenant], "completed": len(w),
+                                     "p50_s": round(statistics.median(w), 1) if w else None,
+                                     "p95_s": round(pct(w, 0.95), 1) if w else None, "waits_s": [round(x, 1) for x in w]}
+    every = [x for w in waits.values() for x in w]
+    out["all"] = {"p50_s": round(statistics.median(every), 1), "p95_s": round(pct(every, 0.95), 1)}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "concurrency.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tf-concurrency-bench-"))
+    (work / "dags").mkdir()
+    (work / "dags" / "tenant_dags.py").write_text(DAG_FILE.format(tenants=list(TENANTS)))
+    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
+                          dags_folder=work / "dags", node_slots=4, parallelism=12)
+    stack.up(timeout=300)
+    result: dict = {"bench": "concurrency", "tenants": TENANTS, "quotas": QUOTAS, "conf": CONF, "pool_nodes": 4}
+    try:
+        client = stack.client()
+        for tenant in TENANTS:
+            client.wait_for_dag(f"train_{tenant}", timeout=180)
+            client.unpause(f"train_{tenant}")
+        t0 = time.time()
+        result["fifo"] = wave(client, "fifo")
+        result["fifo"]["wall_s"] = round(time.time() - t0, 1)
+        print("fifo", json.dumps({t: (v["p50_s"], v["p95_s"]) for t, v in result["fifo"]["per_tenant"].items()}),
+              flush=True)
+        from trainflow.cluster.allocator import Allocator
+
+        alloc = Allocator(stack.trainflow_home / "state.db")
+        for tenant, nodes in QUOTAS.items():
+            alloc.set_quota("embedded", tenant, nodes)
+        t0 = time.time()
+        result["fairshare"] = wave(client, "fair")
+        result["fairshare"]["wall_s"] = round(time.time() - t0, 1)
+        print("fairshare", json.dumps({t: (v["p50_s"], v["p95_s"])
+                                       for t, v in result["fairshare"]["per_tenant"].items()}), flush=True)
+    finally:
+        stack.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result["time"] = time.time()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0 if not result["fifo"]["failed"] and not result["fairshare"]["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
