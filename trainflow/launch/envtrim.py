@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import lru_cache
 
 # Set by the deployment, read by the workload's process itself.
 BASICS = frozenset({
@@ -39,6 +40,7 @@ PREFIXES = (
 EXTRA = "TRAINFLOW_WORKER_ENV_ALLOW"
 
 
+@lru_cache(maxsize=1)
 def _chip_names() -> frozenset[str]:
     """The visibility and container variables every chip adapter names."""
     from trainflow.chips.registry import FAMILIES

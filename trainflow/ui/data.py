@@ -137,7 +137,9 @@ def _state(run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], n
     return RunState.RUNNING, verdict.message
 
 
-def _summary(ws: Workspace, now: float) -> dict:
+def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
+    """The run's row of the list, and its goodput summary (``goodput.summarize``) for the
+    detail view, computed once."""
     run_dir = ws.dir
     plan = _json_dict(ws.plan_file)
     spec = plan.get("spec") or _json_dict(ws.spec_file)
@@ -167,7 +169,7 @@ def _summary(ws: Workspace, now: float) -> dict:
         "goodput": None if good is None else good["goodput"],
         "allocation": _allocation(run_dir, spec),
         "updated": max(last_beat or 0.0, planned),
-    }
+    }, good
 
 
 def list_runs(root: Path, *, now: float | None = None, tenant: str | None = None,
@@ -193,7 +195,7 @@ def list_runs(root: Path, *, now: float | None = None, tenant: str | None = None
                     ws = _workspace(root, tdir.name, ddir.name, rdir.name)
                 except SpecError:
                     continue
-                runs.append(_summary(ws, now))
+                runs.append(_summary(ws, now)[0])
     return sorted(runs, key=lambda r: r["updated"], reverse=True)
 
 
@@ -272,7 +274,7 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
     ws = _workspace(root, tenant, dag_id, run_id)
     if not ws.dir.is_dir() or not (ws.plan_file.exists() or ws.spec_file.exists()):
         raise RunNotFoundError(f"no run {tenant}/{dag_id}/{run_id}: no workspace with a plan or spec")
-    summary = _summary(ws, now)
+    summary, good = _summary(ws, now)
     plan = _json_dict(ws.plan_file)
     spec = plan.get("spec") or _json_dict(ws.spec_file)
     beats = read_all(ws.heartbeats)
@@ -285,7 +287,7 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
             errors.append({**{k: e.get(k) for k in ("rank", "kind", "type", "time")},
                            "message": clip(e.get("message"))})
     events = [{**e, "kind": _kind(str(e.get("event")))} for e in timeline_read(ws.dir) if "event" in e]
-    good = _goodput(ws.dir, _nodes(ws.dir), summary["step"], now) or {}
+    good = good or {}
     return {
         **summary,
         "spec": spec,
