@@ -1,7 +1,7 @@
 """bench/concurrency: 21 runs from 3 tenants queued at once, fair share vs first come first served.
 
-On the real embedded stack (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
-a pool of 4 node slots): one DAG per tenant (``training_dag(tenants=[...])``), 21 one-node
+On the real embedded stack (api-server, scheduler, dag-processor, triggerer; LocalExecutor
+with Airflow's metadata on PostgreSQL, a pool of 4 node slots): one DAG per tenant (``training_dag(tenants=[...])``), 21 one-node
 digits runs triggered at once over REST — tenant ``a`` first with 13 runs, then ``b`` with 4
 and ``c`` with 4. Twice in one stack: first with no quotas (admission by priority: first come,
 first served), then with quotas a=2, b=1, c=1 (fair share). Reported per tenant: time from
@@ -36,7 +36,8 @@ TENANTS = {"a": 13, "b": 4, "c": 4}  # runs per tenant, triggered in this order
 QUOTAS = {"a": 2, "b": 1, "c": 1}
 CONF = {"nodes": 1, "steps": 40, "checkpoint_interval": 20, "batch_size": 16, "heartbeat_interval": 0.5,
         "admission_timeout": 3600}
-DAG_FILE = '''from operators.dag_factory import training_dag
+DAG_FILE = '''"""Airflow DAGs: one training DAG per tenant (Airflow's safe mode reads files naming both words)."""
+from operators.dag_factory import training_dag
 
 for tenant in {tenants!r}:
     globals()["dag_" + tenant] = training_dag(
@@ -84,8 +85,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tf-concurrency-bench-"))
     (work / "dags").mkdir()
     (work / "dags" / "tenant_dags.py").write_text(DAG_FILE.format(tenants=list(TENANTS)))
+    # Airflow's metadata on PostgreSQL: with 21 runs in flight, SQLite's single writer made
+    # the scheduler die of "database is locked" (measured here, session 8).
+    import uuid
+
+    import psycopg2
+
+    meta = f"tf_bench_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect("postgresql://postgres@127.0.0.1:5432/postgres")
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {meta}")
     stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          dags_folder=work / "dags", node_slots=4, parallelism=12)
+                          dags_folder=work / "dags", node_slots=4, parallelism=12,
+                          database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}")
     stack.up(timeout=300)
     result: dict = {"bench": "concurrency", "tenants": TENANTS, "quotas": QUOTAS, "conf": CONF, "pool_nodes": 4}
     try:
@@ -111,6 +123,8 @@ def main() -> int:
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {meta} WITH (FORCE)")
+        admin.close()
     result["time"] = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
