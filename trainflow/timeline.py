@@ -18,11 +18,12 @@ MAX_LINE = 4096
 def append(path: Path, obj: dict) -> None:
     """Append one JSON line (a single O_APPEND write of < 4 KiB, so concurrent writers do
     not tear)."""
+    from trainflow.bounds import clip_fields
+
     line = json.dumps(obj, sort_keys=True)
     if len(line.encode()) >= MAX_LINE:  # clip long texts (a cut line would not parse: the event lost)
         for limit in (512, 64):
-            obj = {k: (v[:limit] + f"… [{len(v) - limit} more characters]" if isinstance(v, str)
-                       and len(v) > limit else v) for k, v in obj.items()}
+            obj = clip_fields(obj, limit)
             line = json.dumps(obj, sort_keys=True)
             if len(line.encode()) < MAX_LINE:
                 break
