@@ -90,3 +90,15 @@ def test_operator_fields_survive_dag_serialization(dagbag):
     assert round_trip.task_dict["release"].is_teardown
     assert round_trip.task_dict["shard_train"].queue == "cpu"
     assert set(round_trip.params.keys()) == set(dag.params.keys())
+
+
+def test_maintenance_dag_sweeps_hourly_one_run_at_a_time(dagbag):
+    from operators.maintenance import RetentionOperator
+
+    dag = dagbag.dags["trainflow_maintenance"]
+    assert dag.timetable.expression in ("@hourly", "0 * * * *") and dag.catchup is False and dag.max_active_runs == 1
+    (task,) = dag.tasks
+    assert isinstance(task, RetentionOperator) and task.retries == 1
+    assert dag.params.get_param("airflow_days").resolve(0) == 0
+    with pytest.raises(Exception):
+        dag.params.get_param("airflow_days").resolve(-1)

@@ -8,6 +8,9 @@
                                            host failures and cordons; lift or set one
     trainflow quota [--pool P] [--set TENANT=NODES | --unset TENANT]
                                            a pool's tenant quotas (fair-share admission)
+    trainflow retention [--dry-run] [--airflow-db]
+                                           delete old finished runs' workspaces, old logs and
+                                           stale rows (and Airflow's old metadata rows)
     trainflow doctor [--chip F | --queue Q] [--json] [--register]
                                            this host's chips, health, queue and worker
                                            command (exit 1: unhealthy)
@@ -82,6 +85,35 @@ def quota(pool: str, assign: str | None, unset: str | None) -> int:
     print(json.dumps({"pool": pool, "policy": "fairshare" if quotas else "priority", "quotas": quotas,
                       "queue": alloc.queue(pool)}, indent=1))
     return 0
+
+
+def retention(args) -> int:
+    """One retention sweep (workspaces, logs, trainflow's tables) and, with ``--airflow-db``,
+    ``airflow db clean`` of metadata rows older than the bound. Prints what it removed."""
+    import os
+    import subprocess
+
+    from trainflow import retention as ret
+    from trainflow.workspace import default_root
+
+    policy = ret.Retention.from_env(workspace_days=args.workspace_days, log_days=args.log_days,
+                                    airflow_days=args.airflow_days)
+    logs = args.logs
+    if logs is None and os.environ.get("AIRFLOW_HOME"):
+        logs = Path(os.environ["AIRFLOW_HOME"]) / "logs"
+    out = ret.sweep(workspaces=args.workspaces or default_root(), logs=logs, policy=policy,
+                    dry_run=args.dry_run)
+    code = 0
+    if args.airflow_db:
+        oldest = ret.active_since()  # never cut a run in flight
+        argv = ret.db_clean_argv(policy, dry_run=args.dry_run,
+                                 keep_after=None if oldest is None else oldest - ret.START_TO_ADMISSION_S)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        out["airflow_db_clean"] = {"argv": argv, "exit_code": done.returncode,
+                                   "output": (done.stdout + done.stderr)[-2000:]}
+        code = 0 if done.returncode == 0 else 1
+    print(json.dumps(out, indent=1))
+    return code
 
 
 def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
@@ -186,6 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--set", metavar="TENANT=NODES")
     g.add_argument("--unset", metavar="TENANT")
+    p = sub.add_parser("retention", help="delete what only accumulates: old finished runs' workspaces, "
+                                         "old logs, stale rows; with --airflow-db also `airflow db clean`")
+    p.add_argument("--workspaces", type=Path, help="workspace root (default: $TRAINFLOW_HOME/runs)")
+    p.add_argument("--logs", type=Path, help="Airflow logs folder (default: $AIRFLOW_HOME/logs)")
+    p.add_argument("--workspace-days", type=float, help="keep finished runs' workspaces this long (default 7)")
+    p.add_argument("--log-days", type=float, help="keep task logs this long (default 14)")
+    p.add_argument("--airflow-days", type=float, help="keep Airflow metadata rows this long (default 30)")
+    p.add_argument("--airflow-db", action="store_true",
+                   help="also run `airflow db clean` (needs the metadata database: run it where the "
+                        "scheduler runs, not from a task)")
+    p.add_argument("--dry-run", action="store_true", help="report what would go; delete nothing")
     p = sub.add_parser("doctor", help="this host's chip family, devices, health, queue and worker command")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chip", help="family to check (default: detected)")
@@ -235,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             return pods(args.spec, args.node, args.dag_id, args.run_id)
         if args.command == "hosts":
             return hosts(args.uncordon, args.cordon, args.reason)
+        if args.command == "retention":
+            return retention(args)
         if args.command == "quota":
             return quota(args.pool, args.set, args.unset)
         if args.command == "validate":

@@ -166,6 +166,11 @@ class EmbeddedStack:
         }
         if self.database_url:
             env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database_url
+        # Grants the maintenance DAG `airflow db clean` (operators/maintenance.py): tasks have
+        # no metadata database access of their own in Airflow 3.
+        metadata = self.database_url or f"sqlite:///{self.home / 'airflow.db'}"
+        env["AIRFLOW_CONN_TRAINFLOW_METADATA_DB"] = json.dumps(
+            {"conn_type": "generic", "extra": {"sql_alchemy_conn": metadata}})
         if self.broker_url:
             env.update({
                 "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
@@ -297,8 +302,9 @@ class EmbeddedStack:
         self._pidfile(component).unlink(missing_ok=True)
         return True
 
-    def stop(self, grace: float = 15) -> list[str]:
-        """SIGTERM every component's process tree, then SIGKILL what is left."""
+    def stop(self, grace: float = 15, sig: int = signal.SIGTERM) -> list[str]:
+        """Send ``sig`` (SIGTERM; SIGKILL for a crash) to every component's process tree,
+        then SIGKILL what is left after ``grace``."""
         from trainflow.proctree import signal_tree
 
         stopped = []
@@ -307,7 +313,7 @@ class EmbeddedStack:
             if pid is None:
                 self._pidfile(component).unlink(missing_ok=True)
                 continue
-            signal_tree(pid, signal.SIGTERM)
+            signal_tree(pid, sig)
             stopped.append(component)
         deadline = time.time() + grace
         while time.time() < deadline and any(self.pid(c) for c in stopped):

@@ -147,3 +147,29 @@ def test_three_runs_on_a_pool_that_fits_two_one_waits_deferred(client, stack):
     assert started >= released
     allocator = Allocator(stack.trainflow_home / "state.db")
     assert allocator.leases() == [] and allocator.queue("embedded") == []
+
+
+def test_maintenance_dag_applies_retention_on_the_stack(client, stack, finished_run):
+    """Last in the module (it deletes the module's history). The housekeeping DAG, run now
+    with zero-day bounds: the finished runs' workspaces go, and ``airflow db clean`` (granted
+    the metadata database by the ``trainflow_metadata_db`` connection) deletes the runs that
+    started before it — but not the maintenance run itself, and the stack stays healthy."""
+    from datetime import datetime
+
+    run_id, _ = finished_run
+    run_dir = stack.trainflow_home / "runs" / "e2e" / DAG / run_id
+    assert (run_dir / "nodes" / "released.json").exists() and client.runs(DAG)
+    client.wait_for_dag("trainflow_maintenance", timeout=120)
+    client.unpause("trainflow_maintenance")
+    m = client.trigger("trainflow_maintenance", {"workspace_days": 0, "airflow_days": 0},
+                       run_id="e2e-maintenance-1")["dag_run_id"]
+    run = client.wait_run("trainflow_maintenance", m, timeout=300)
+    assert run["state"] == "success", client.task_log("trainflow_maintenance", m, "retention", 1)
+    out = client.xcom("trainflow_maintenance", m, "retention")
+    assert str(run_dir) in out["workspaces"]["runs"] and not run_dir.exists()
+    assert out["policy"]["airflow_days"] == 0 and out["state"]["leases"] == 0
+    before = datetime.fromisoformat(out["airflow_db_clean"]["before"])
+    assert before < datetime.fromisoformat(run["start_date"].replace("Z", "+00:00"))
+    assert client.runs(DAG) == []  # every run of the module was manual and older: gone
+    assert client.run("trainflow_maintenance", m)["state"] == "success"  # itself kept
+    assert client.health()["metadatabase"]["status"] == "healthy"

@@ -102,3 +102,35 @@ def test_the_profile_switch():
         EmbeddedStack.from_env({"TRAINFLOW_PROFILE": "cluster"})
     with pytest.raises(ValueError, match="workers are Celery workers"):
         EmbeddedStack(workers=({"name": "a", "queues": "cpu"},))
+
+
+def _open_when_released(path, barrier, out):
+    from trainflow.launch.rdzv_db import ensure_schema
+
+    barrier.wait()
+    try:
+        ensure_schema(path)
+        out.put(None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
+    """Switching a new SQLite database to WAL answers "database is locked" at once (no busy
+    timeout) to whoever opens it at the same moment — a gang's agents opening the run's
+    rendezvous database. Without the retry ~2% of such openings failed and the node's agent
+    died before the rendezvous, leaving its peers waiting out the join timeout."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    errors = []
+    for trial in range(60):
+        barrier, out = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=_open_when_released, args=(tmp_path / f"r{trial}.db", barrier, out))
+                 for _ in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        errors += [e for e in (out.get(timeout=5) for _ in procs) if e]
+    assert errors == []

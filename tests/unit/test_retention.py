@@ -1,0 +1,186 @@
+"""Retention: what goes, what stays, and that nothing outside the roots is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from trainflow import retention as ret
+from trainflow.cli import main
+from trainflow.errors import SpecError
+
+NOW = 1_900_000_000.0
+DAY = ret.DAY
+
+
+def _age(path, days):
+    """Set ``path`` and everything under it to ``days`` before NOW."""
+    t = NOW - days * DAY
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def _run(root, tenant, dag, run, *, released_days=None, written_days=0.0, size=100):
+    d = root / tenant / dag / run
+    (d / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (d / "checkpoints" / "step-00000010" / "shard.bin").write_bytes(b"x" * size)
+    (d / "nodes").mkdir()
+    _age(d, written_days)
+    if released_days is not None:
+        (d / "nodes" / "released.json").write_text("{}")
+        _age(d / "nodes" / "released.json", released_days)
+    return d
+
+
+def test_policy_from_env_names_the_variable_and_checks_bounds():
+    p = ret.Retention.from_env({"TRAINFLOW_RETAIN_WORKSPACE_DAYS": "2", "TRAINFLOW_LOG_MAX_BYTES": "8192"})
+    assert (p.workspace_days, p.log_max_bytes, p.abandoned_days) == (2.0, 8192, 30.0)
+    assert ret.Retention.from_env({}, workspace_days=0.5).workspace_days == 0.5
+    with pytest.raises(SpecError, match="TRAINFLOW_RETAIN_LOG_DAYS='two'"):
+        ret.Retention.from_env({"TRAINFLOW_RETAIN_LOG_DAYS": "two"})
+    with pytest.raises(SpecError, match=r"retention.workspace_days=-1"):
+        ret.Retention(workspace_days=-1)
+    with pytest.raises(SpecError, match="must be >= workspace_days"):
+        ret.Retention(workspace_days=40)
+    with pytest.raises(SpecError, match="log_max_bytes"):
+        ret.Retention(log_max_bytes=10)
+
+
+def test_released_runs_go_after_their_days_unfinished_ones_only_when_abandoned(tmp_path):
+    root = tmp_path / "runs"
+    old = _run(root, "acme", "train_digits", "old", released_days=8, written_days=8)
+    fresh = _run(root, "acme", "train_digits", "fresh", released_days=1, written_days=1)
+    live = _run(root, "acme", "train_digits", "live", written_days=40)
+    (live / "heartbeats").mkdir()
+    (live / "heartbeats" / "rank-0.json").write_text("{}")  # written just now: alive
+    _age(live / "heartbeats" / "rank-0.json", 0.01)
+    abandoned = _run(root, "zeta", "train_tinylm", "crashed", written_days=31)
+    policy = ret.Retention()
+
+    dry = ret.prune_workspaces(root, policy, now=NOW, dry_run=True)
+    assert {(r["path"], r["why"]) for r in dry} == {(str(old), "released"), (str(abandoned), "abandoned")}
+    assert old.exists() and abandoned.exists()
+
+    gone = ret.prune_workspaces(root, policy, now=NOW)
+    assert sorted(r["path"] for r in gone) == sorted([str(old), str(abandoned)])
+    assert {r["path"]: r["bytes"] for r in gone} == {str(old): 102, str(abandoned): 100}  # + released.json
+    assert not old.exists() and not abandoned.exists()
+    assert fresh.exists() and live.exists()
+    assert not (root / "zeta").exists()  # its only run went: the empty tenant folder too
+    assert ret.prune_workspaces(root, policy, now=NOW) == []
+
+
+def test_links_are_never_followed_out_of_the_root(tmp_path):
+    root = tmp_path / "runs"
+    outside = tmp_path / "precious"
+    (outside / "nodes").mkdir(parents=True)
+    (outside / "nodes" / "released.json").write_text("{}")
+    _age(outside, 100)
+    (root / "acme" / "dag").mkdir(parents=True)
+    (root / "acme" / "dag" / "evil").symlink_to(outside, target_is_directory=True)
+    (root / "mallory").symlink_to(outside, target_is_directory=True)
+    assert ret.prune_workspaces(root, ret.Retention(), now=NOW) == []
+    assert (outside / "nodes" / "released.json").exists()
+
+
+def test_old_task_logs_go_component_logs_stay(tmp_path):
+    logs = tmp_path / "logs"
+    task_log = logs / "dag_id=train_digits" / "run_id=r1" / "task_id=provision" / "attempt=1.log"
+    task_log.parent.mkdir(parents=True)
+    task_log.write_text("old\n")
+    _age(task_log, 20)
+    new_log = logs / "dag_id=train_digits" / "run_id=r2" / "task_id=provision" / "attempt=1.log"
+    new_log.parent.mkdir(parents=True)
+    new_log.write_text("new\n")
+    _age(new_log, 1)
+    component = logs / "scheduler.log"
+    component.write_text("component\n")
+    _age(component, 100)
+    out = ret.prune_logs(logs, ret.Retention(), now=NOW)
+    assert out == {"files": 1, "bytes": 4}
+    assert not (logs / "dag_id=train_digits" / "run_id=r1").exists()  # emptied folders removed
+    assert new_log.exists() and component.exists()
+
+
+def test_rotation_copies_truncates_and_the_open_writer_goes_on(tmp_path):
+    log = tmp_path / "scheduler.log"
+    writer = open(log, "ab", buffering=0)  # as the stack opens a component's log
+    try:
+        for part in range(4):
+            writer.write(f"part {part} ".encode() + b"x" * 5000)
+            assert ret.rotate(log, max_bytes=4096, keep=2)
+        writer.write(b"after")
+        assert log.read_bytes() == b"after"  # appended at the new end, no hole before it
+        assert (tmp_path / "scheduler.log.1").read_bytes().startswith(b"part 3 ")
+        assert (tmp_path / "scheduler.log.2").read_bytes().startswith(b"part 2 ")
+        assert not (tmp_path / "scheduler.log.3").exists()  # beyond keep: dropped
+        assert not ret.rotate(log, max_bytes=4096, keep=2)  # small: left alone
+    finally:
+        writer.close()
+    rotated = ret.rotate_component_logs(tmp_path, ret.Retention(log_max_bytes=4096))
+    assert rotated == []
+
+
+def test_stale_rows_go_live_ones_stay(state_target):
+    from trainflow.cluster.allocator import Allocator
+    from trainflow.cluster.hosts import CordonPolicy, HostRegistry
+
+    alloc, hosts = Allocator(state_target), HostRegistry(state_target)
+    alloc.set_pool("p", 4)
+    alloc.admit("t/d/live", tenant="t", pool="p", nodes=1, ttl=3600, now=NOW)
+    alloc.admit("t/d/dead", tenant="t", pool="p", nodes=1, ttl=60, now=NOW - 7200)
+    alloc.lose_node("t/d/live", until=NOW - 1, reason="host gone")
+    policy = CordonPolicy(failures=99, window_s=3600.0)
+    hosts.record_failure("h1", reason="old", run_key="t/d/x", node=0, policy=policy, now=NOW - 8 * DAY)
+    hosts.record_failure("h1", reason="new", run_key="t/d/y", node=0, policy=policy, now=NOW - 60)
+    assert ret.state_rows(state_target)["host_failures"] == 2
+    out = ret.prune_state(state_target, ret.Retention(), now=NOW)
+    assert out == {"leases": 1, "offline": 1, "host_failures": 1}
+    rows = ret.state_rows(state_target)
+    assert (rows["leases"], rows["offline"], rows["host_failures"], rows["pools"]) == (1, 0, 1, 1)
+
+
+def test_db_clean_argv_cuts_at_the_bound():
+    argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, airflow="/venv/bin/airflow")
+    cutoff = datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
+    assert argv == ["/venv/bin/airflow", "db", "clean", "--clean-before-timestamp", cutoff,
+                    "--skip-archive", "--yes", "--error-on-cleanup-failure"]
+    assert ret.db_clean_argv(ret.Retention(), now=NOW, dry_run=True)[-1] == "--dry-run"
+
+
+def test_cli_sweeps_and_reports(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINFLOW_STATE_DB", str(tmp_path / "state.db"))
+    root = tmp_path / "runs"
+    now = time.time()
+    old = _run(root, "acme", "d", "r1", released_days=(NOW - now) / DAY + 3)  # released 3 days ago
+    assert main(["retention", "--workspaces", str(root), "--logs", str(tmp_path / "nologs"),
+                 "--workspace-days", "5", "--dry-run"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dry_run"] and out["workspaces"]["removed"] == 0 and old.exists()
+    assert main(["retention", "--workspaces", str(root), "--workspace-days", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workspaces"] == {"removed": 1, "bytes": 102, "runs": [str(old)]}
+    assert out["policy"]["workspace_days"] == 2 and not old.exists()
+    assert main(["retention", "--workspaces", str(root), "--workspace-days", "-1"]) == 2
+    assert "retention.workspace_days=-1.0" in capsys.readouterr().err
+
+
+def test_runs_in_flight_bound_the_metadata_cut(state_target):
+    from trainflow.cluster.allocator import Allocator
+
+    assert ret.active_since(state_target) is None
+    alloc = Allocator(state_target)
+    alloc.set_pool("p", 1)
+    alloc.admit("t/d/long", tenant="t", pool="p", nodes=1, ttl=90 * DAY, now=NOW - 40 * DAY)
+    assert ret.active_since(state_target) == NOW - 40 * DAY
+    keep = ret.active_since(state_target) - ret.START_TO_ADMISSION_S
+    argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=keep)
+    cut = datetime.fromisoformat(argv[argv.index("--clean-before-timestamp") + 1]).timestamp()
+    assert cut == NOW - 40 * DAY - 3600  # the 40-day run keeps its rows
+    argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=NOW)
+    assert argv[argv.index("--clean-before-timestamp") + 1] == \
+        datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
