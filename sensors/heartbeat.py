@@ -28,7 +28,8 @@ class HeartbeatTrigger(BaseTrigger):
     :param world_size: ranks expected.
     :param timeout: seconds without progress that make a rank stalled.
     :param startup_timeout: seconds to wait for every rank's first heartbeat.
-    :param started_at: wall-clock start of the watch (kept across trigger restarts).
+    :param started_at: wall-clock start of the watch; a restarted trigger opens its startup
+        window again when it starts.
     :param poll_interval: seconds between polls.
     :param max_remediations: node replacements requested before the watch gives up.
     :param straggler_margin: compute-time excess over the peers' median that flags a straggler.
@@ -115,6 +116,11 @@ class HeartbeatTrigger(BaseTrigger):
         from trainflow.remediation import abort_source, aborted, remediations, request_node_restart
 
         run_dir, last = Path(self.run_dir), None
+        # The startup window opens when this watch starts, also when a triggerer restart
+        # re-creates it: a watch that was not running cannot tell a hang from its own absence
+        # (after a whole-stack stop every rank's last beat is old), and lost node tasks are
+        # Airflow's to retry; a real hang still shows after the startup window.
+        self.started_at = max(self.started_at, time.time())
         suspects: dict[int, int] = {}  # rank → consecutive polls flagged
         reported: dict[int, dict] = {}  # rank → its straggler report
         while True:

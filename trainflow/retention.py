@@ -256,6 +256,17 @@ def state_rows(db=None) -> dict[str, int]:
     return out
 
 
+# What ``airflow db clean`` may cut: the history runs leave (Airflow 3.3's table names; the
+# Celery result tables only exist under the CeleryExecutor, and db clean skips absent
+# tables). Not ``dag``: those rows are the DAGs themselves (cut by last parse time, which
+# fails on a DAG whose versions runs still reference), and not the archive tables.
+AIRFLOW_TABLES = (
+    "dag_run", "task_instance", "task_instance_history", "task_reschedule", "task_state_store", "xcom",
+    "log", "job", "trigger", "callback", "deadline", "asset_event", "partitioned_asset_key_log",
+    "dag_version", "import_error", "revoked_token", "connection_test_request",
+    "celery_taskmeta", "celery_tasksetmeta",
+)
+
 # Between a DAG run's start and its provision's admission (the run's lease ``granted`` or its
 # waiting request's ``submitted``): an upper bound for the margin ``active_since`` keeps.
 START_TO_ADMISSION_S = 3600.0
@@ -286,7 +297,7 @@ def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "a
         cut = min(cut, keep_after)
     cutoff = datetime.fromtimestamp(cut, tz=timezone.utc)
     argv = [airflow, "db", "clean", "--clean-before-timestamp", cutoff.isoformat(timespec="seconds"),
-            "--skip-archive", "--yes", "--error-on-cleanup-failure"]
+            "--tables", ",".join(AIRFLOW_TABLES), "--skip-archive", "--yes", "--error-on-cleanup-failure"]
     return argv + (["--dry-run"] if dry_run else [])
 
 

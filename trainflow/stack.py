@@ -159,6 +159,10 @@ class EmbeddedStack:
             "AIRFLOW__API__SECRET_KEY": s["secret_key"],
             "AIRFLOW__API_AUTH__JWT_SECRET": s["jwt_secret"],
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
+            # After a scheduler crash the tasks it had queued are adopted (and a lost one then
+            # fails by its heartbeat and is retried) at this interval: Airflow's 300 s default
+            # left a whole-stack SIGKILL's runs idle for 5 minutes.
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "30",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
             "AIRFLOW__TRIGGERER__DEFAULT_CAPACITY": "100",

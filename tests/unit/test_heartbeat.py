@@ -141,3 +141,34 @@ def test_a_shrunk_gang_is_judged_by_its_own_ranks():
     assert c.verdict == Verdict.WAITING and c.ranks == (1,)
     done = {r: {**beat(r, 99, "done", 300), "world": 2, "started": 150} for r in range(2)}
     assert classify({**old, **done}, now=400, world_size=3, started_at=0, policy=POLICY).verdict == Verdict.COMPLETE
+
+
+def test_a_restarted_watch_opens_its_startup_window_again(tmp_path):
+    """After a whole-stack stop the triggerer re-creates the watch with its original start,
+    and every rank's last beat is minutes old. The watch must not call that a hang (and
+    spend its node-replacement budget on nodes Airflow is already retrying): its startup
+    window opens again when it starts."""
+    import asyncio
+    import json
+    import time
+
+    from sensors.heartbeat import HeartbeatTrigger
+
+    (tmp_path / "heartbeats").mkdir()
+    old = time.time() - 600
+    for rank in (0, 1):
+        (tmp_path / "heartbeats" / f"rank-{rank:05d}.json").write_text(json.dumps(
+            {"rank": rank, "node": rank, "step": 200, "total": 600, "state": "training", "time": old,
+             "progress_time": old, "alive": old, "world": 2, "started": old - 60}))
+    trigger = HeartbeatTrigger(run_dir=str(tmp_path), world_size=2, timeout=10, startup_timeout=2,
+                               started_at=old - 60, poll_interval=0.1, max_remediations=0)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload, time.time()
+
+    t0 = time.time()
+    payload, at = asyncio.run(asyncio.wait_for(first_event(), timeout=30))
+    # With no budget the first stall fails the watch: not before the fresh startup window
+    # (2 s) passed — without it, at the first poll.
+    assert payload["verdict"] == "stalled" and at - t0 >= 2, (payload, at - t0)

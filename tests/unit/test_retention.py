@@ -148,7 +148,9 @@ def test_db_clean_argv_cuts_at_the_bound():
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, airflow="/venv/bin/airflow")
     cutoff = datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
     assert argv == ["/venv/bin/airflow", "db", "clean", "--clean-before-timestamp", cutoff,
-                    "--skip-archive", "--yes", "--error-on-cleanup-failure"]
+                    "--tables", ",".join(ret.AIRFLOW_TABLES), "--skip-archive", "--yes",
+                    "--error-on-cleanup-failure"]
+    assert "dag" not in ret.AIRFLOW_TABLES and "dag_run" in ret.AIRFLOW_TABLES
     assert ret.db_clean_argv(ret.Retention(), now=NOW, dry_run=True)[-1] == "--dry-run"
 
 
