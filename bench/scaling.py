@@ -197,8 +197,7 @@ def bench_dag() -> dict:
             client.wait_for_dag("train_digits", timeout=180)
             client.unpause("train_digits")
             for n in sizes:
-                conf = {"nodes": n, "steps": 20, "checkpoint_interval": 10, "tenant": "scaling",
-                        "eval_samples": 200}
+                conf = {"nodes": n, "steps": 20, "checkpoint_interval": 10, "tenant": "scaling"}
                 t0 = time.time()
                 run_id = client.trigger("train_digits", conf, run_id=f"scaling-{n}")["dag_run_id"]
                 run = client.wait_run("train_digits", run_id, timeout=900)
