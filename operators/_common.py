@@ -74,9 +74,10 @@ class Subprocess:
     of their own), SIGTERM first so the tree can shut down, then SIGKILL.
     """
 
-    def __init__(self, argv: list[str], *, log: "logging.Logger", env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], *, log: "logging.Logger", env: dict[str, str] | None = None,
+                 inherit: bool = True):
         self.argv, self.log = argv, log
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**(os.environ if inherit else {}), **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def run(self, poll: Callable[[], str | None] | None = None, interval: float = 0.5) -> int | str:

@@ -47,8 +47,16 @@ class EvaluateOperator(BaseOperator):
                 raise AirflowException(f"checkpoint {path} is gone and the store has no verified copy")
             self.log.info("checkpoint %s not on this host; evaluating the store's step %d", path, ref.step)
             path = ref.path
+        # The evaluation runs the workload's code: the workers' trimmed environment (none of
+        # the task's secrets), as the tenant's own OS user where one is mapped.
+        from trainflow.launch import envtrim, runas
+
+        env = envtrim.trimmed()
+        if (ids := runas.for_tenant(load_plan(self.run_dir)["spec"]["tenant"])) is not None:
+            runas.give_workspace(Path(self.run_dir), ids)  # files the sync or a hydrate added
+            env.update(runas.env_for(Path(self.run_dir), ids))
         self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
-                                 self.run_dir, "--checkpoint", path], log=self.log)
+                                 self.run_dir, "--checkpoint", path], log=self.log, env=env, inherit=False)
         if (rc := self._proc.run()) != 0:
             from trainflow.worker.evaluate import USER_ERROR_EXIT_CODE
 

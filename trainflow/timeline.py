@@ -32,6 +32,10 @@ def append(path: Path, obj: dict) -> None:
                               | {"clipped": True}, sort_keys=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
+        if os.geteuid() == 0:  # a root writer (task, agent) must not take the file from the
+            own = os.stat(os.path.dirname(os.path.abspath(path)))  # tenant user the folder
+            if os.fstat(fd).st_uid != own.st_uid:  # belongs to (launch.runas): its workers append too
+                os.fchown(fd, own.st_uid, own.st_gid)
         os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)

@@ -323,6 +323,13 @@ def run(plan_path: Path, node: int) -> int:
         print(f"[node {node}] {len(dropped)} environment variables kept from the workers "
               f"(TRAINFLOW_WORKER_ENV_ALLOW adds names)", flush=True)
     os.environ.update(agent_env(plan, node))
+    # A tenant mapped to an OS user of its own (TRAINFLOW_TENANT_USERS): the workspace
+    # becomes that user's (0700) and the workers drop to it before loading the workload.
+    from trainflow.launch import runas
+
+    if (ids := runas.for_tenant(plan["spec"]["tenant"])) is not None:
+        runas.give_workspace(Path(plan["run_dir"]), ids)
+        os.environ.update(runas.env_for(Path(plan["run_dir"]), ids))
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"
     status_file.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--checkpoint")
     args = parser.parse_args(argv)
+    from trainflow.launch.runas import drop_privileges
+
+    drop_privileges()  # the tenant's own OS user, before its workload loads
     try:
         result = evaluate(args.run_dir, args.checkpoint)
     except WorkloadOutputError as exc:  # the workload's own fault: retrying cannot help

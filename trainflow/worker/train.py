@@ -510,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("TRAINFLOW_ZYGOTE_CHILD"):  # a zygote's child dies with the zygote
         die_with_parent(int(os.environ.get("TRAINFLOW_AGENT_PID", "0")))
     try:
+        from trainflow.launch.runas import drop_privileges
+
+        drop_privileges()  # the tenant's own OS user, before any of its code loads
         apply_visibility(args.run_dir)
         return run(args.run_dir)
     except BaseException as exc:  # noqa: BLE001 - report every failure, then re-raise
