@@ -55,9 +55,9 @@ class RetentionOperator(BaseOperator):
         # Never cut a run still in flight: not this one, not a training run older than the
         # bound (db clean cuts dag runs by their start).
         keep_after = [context["dag_run"].start_date.timestamp() - 1]
-        oldest = retention.active_since()
+        oldest = retention.running_since(url)
         if oldest is not None:
-            keep_after.append(oldest - retention.START_TO_ADMISSION_S)
+            keep_after.append(oldest - 1)
         argv = retention.db_clean_argv(policy, airflow=airflow, dry_run=dry_run, keep_after=min(keep_after))
         env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)

@@ -105,9 +105,14 @@ def retention(args) -> int:
                     dry_run=args.dry_run)
     code = 0
     if args.airflow_db:
-        oldest = ret.active_since()  # never cut a run in flight
-        argv = ret.db_clean_argv(policy, dry_run=args.dry_run,
-                                 keep_after=None if oldest is None else oldest - ret.START_TO_ADMISSION_S)
+        airflow = Path(sys.executable).parent / "airflow"
+        airflow = str(airflow) if airflow.exists() else "airflow"
+        url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or subprocess.run(
+            [airflow, "config", "get-value", "database", "sql_alchemy_conn"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        oldest = ret.running_since(url)  # never cut a run in flight
+        argv = ret.db_clean_argv(policy, airflow=airflow, dry_run=args.dry_run,
+                                 keep_after=None if oldest is None else oldest - 1)
         done = subprocess.run(argv, capture_output=True, text=True)
         out["airflow_db_clean"] = {"argv": argv, "exit_code": done.returncode,
                                    "output": (done.stdout + done.stderr)[-2000:]}

@@ -16,7 +16,7 @@ again by checkpoint-sync). Everything else that accumulates across runs is swept
   marks whose time passed, expired leases;
 - **Airflow's metadata rows** (``dag_run``, ``task_instance``, ``xcom``, ``log``, ``job`` …)
   older than ``airflow_days`` via ``airflow db clean`` (``db_clean_argv``; the maintenance
-  DAG runs it).
+  DAG runs it), never past the start of a run still in flight (``running_since``).
 
 Pure functions of (paths, database, clock); the ``trainflow_maintenance`` DAG calls
 ``sweep`` on a schedule, ``trainflow retention`` from a shell.
@@ -267,30 +267,35 @@ AIRFLOW_TABLES = (
     "celery_taskmeta", "celery_tasksetmeta",
 )
 
-# Between a DAG run's start and its provision's admission (the run's lease ``granted`` or its
-# waiting request's ``submitted``): an upper bound for the margin ``active_since`` keeps.
-START_TO_ADMISSION_S = 3600.0
+def running_since(sql_alchemy_conn: str) -> float | None:
+    """When the oldest DAG run still running started (Airflow's metadata database), or None.
+    ``airflow db clean`` cuts runs by their start, so a run training longer than the bound
+    would lose its rows mid-flight: the cut never passes this."""
+    from datetime import datetime, timezone
 
+    import sqlalchemy
 
-def active_since(db=None) -> float | None:
-    """When the oldest run trainflow still holds or queues was admitted or asked to be (its
-    lease or waiting request), or None. ``airflow db clean`` cuts by a run's *start*, so a
-    run training longer than the bound would lose its rows mid-flight without this."""
-    from trainflow.cluster.allocator import Allocator
-
-    alloc = Allocator(db)
-    with closing(alloc._connect()) as con:
-        leased = con.execute("SELECT MIN(granted) FROM leases").fetchone()[0]
-        waiting = con.execute("SELECT MIN(submitted) FROM waiting").fetchone()[0]
-    times = [t for t in (leased, waiting) if t is not None]
-    return min(times) if times else None
+    engine = sqlalchemy.create_engine(sql_alchemy_conn)
+    try:
+        with engine.connect() as con:
+            oldest = con.execute(sqlalchemy.text(
+                "SELECT MIN(start_date) FROM dag_run WHERE state = 'running'")).scalar()
+    finally:
+        engine.dispose()
+    if oldest is None:
+        return None
+    if isinstance(oldest, str):  # SQLite hands the timestamp back as text
+        oldest = datetime.fromisoformat(oldest)
+    if oldest.tzinfo is None:  # Airflow stores UTC
+        oldest = oldest.replace(tzinfo=timezone.utc)
+    return oldest.timestamp()
 
 
 def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "airflow",
                   dry_run: bool = False, keep_after: float | None = None) -> list[str]:
     """``airflow db clean`` for metadata rows older than ``airflow_days`` (no archive tables:
     archiving would only move the growth). Nothing at or after ``keep_after`` is cut (the
-    runs still in flight: see ``active_since``)."""
+    runs still in flight: see ``running_since``)."""
     now = time.time() if now is None else now
     cut = now - policy.airflow_days * DAY
     if keep_after is not None:

@@ -171,18 +171,26 @@ def test_cli_sweeps_and_reports(tmp_path, monkeypatch, capsys):
     assert "retention.workspace_days=-1.0" in capsys.readouterr().err
 
 
-def test_runs_in_flight_bound_the_metadata_cut(state_target):
-    from trainflow.cluster.allocator import Allocator
+def test_runs_in_flight_bound_the_metadata_cut(tmp_path):
+    """The cut never passes the oldest running DAG run's start (read from Airflow's metadata
+    database as SQLite stores it: naive UTC text)."""
+    import sqlite3
 
-    assert ret.active_since(state_target) is None
-    alloc = Allocator(state_target)
-    alloc.set_pool("p", 1)
-    alloc.admit("t/d/long", tenant="t", pool="p", nodes=1, ttl=90 * DAY, now=NOW - 40 * DAY)
-    assert ret.active_since(state_target) == NOW - 40 * DAY
-    keep = ret.active_since(state_target) - ret.START_TO_ADMISSION_S
-    argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=keep)
+    db = tmp_path / "airflow.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP)")
+    url = f"sqlite:///{db}"
+    assert ret.running_since(url) is None
+    started = datetime.fromtimestamp(NOW - 40 * DAY, tz=timezone.utc)
+    con.executemany("INSERT INTO dag_run (state, start_date) VALUES (?, ?)", [
+        ("running", started.replace(tzinfo=None).isoformat(sep=" ")),
+        ("success", datetime.fromtimestamp(NOW - 90 * DAY, tz=timezone.utc).replace(tzinfo=None).isoformat(sep=" ")),
+        ("queued", None)])
+    con.commit()
+    assert ret.running_since(url) == NOW - 40 * DAY  # the finished older run does not count
+    argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=ret.running_since(url) - 1)
     cut = datetime.fromisoformat(argv[argv.index("--clean-before-timestamp") + 1]).timestamp()
-    assert cut == NOW - 40 * DAY - 3600  # the 40-day run keeps its rows
+    assert cut == NOW - 40 * DAY - 1  # the 40-day run keeps its rows
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=NOW)
     assert argv[argv.index("--clean-before-timestamp") + 1] == \
         datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
