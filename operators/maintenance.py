@@ -23,7 +23,6 @@ class RetentionOperator(BaseOperator):
         self.dry_run = dry_run
 
     def execute(self, context) -> dict:
-        import subprocess
         import sys
         from pathlib import Path
 
@@ -53,17 +52,11 @@ class RetentionOperator(BaseOperator):
             return out
         airflow = str(Path(sys.executable).parent / "airflow")
         # Never cut a run still in flight: not this one, not a training run older than the
-        # bound (db clean cuts dag runs by their start).
-        keep_after = [context["dag_run"].start_date.timestamp() - 1]
-        oldest = retention.running_since(url)
-        if oldest is not None:
-            keep_after.append(oldest - 1)
-        argv = retention.db_clean_argv(policy, airflow=airflow, dry_run=dry_run, keep_after=min(keep_after))
-        env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url}
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
-        self.log.info("%s → exit %d\n%s", " ".join(argv[1:]), done.returncode,
-                      (done.stdout + done.stderr)[-4000:])
-        if done.returncode != 0:
-            raise RuntimeError(f"airflow db clean failed with exit code {done.returncode}; see the log")
-        out["airflow_db_clean"] = {"before": argv[argv.index("--clean-before-timestamp") + 1]}
+        # bound (db clean cuts dag runs by their start; clean_airflow_db also asks the database).
+        done = retention.clean_airflow_db(policy, url, airflow=airflow, dry_run=dry_run,
+                                          keep_after=context["dag_run"].start_date.timestamp() - 1)
+        self.log.info("%s → exit %d\n%s", " ".join(done["argv"][1:]), done["exit_code"], done["output"])
+        if done["exit_code"] != 0:
+            raise RuntimeError(f"airflow db clean failed with exit code {done['exit_code']}; see the log")
+        out["airflow_db_clean"] = {"before": done["before"]}
         return out

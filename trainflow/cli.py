@@ -110,13 +110,9 @@ def retention(args) -> int:
         url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or subprocess.run(
             [airflow, "config", "get-value", "database", "sql_alchemy_conn"],
             capture_output=True, text=True, check=True).stdout.strip()
-        oldest = ret.running_since(url)  # never cut a run in flight
-        argv = ret.db_clean_argv(policy, airflow=airflow, dry_run=args.dry_run,
-                                 keep_after=None if oldest is None else oldest - 1)
-        done = subprocess.run(argv, capture_output=True, text=True)
-        out["airflow_db_clean"] = {"argv": argv, "exit_code": done.returncode,
-                                   "output": (done.stdout + done.stderr)[-2000:]}
-        code = 0 if done.returncode == 0 else 1
+        done = ret.clean_airflow_db(policy, url, airflow=airflow, dry_run=args.dry_run)
+        out["airflow_db_clean"] = {k: done[k] for k in ("argv", "exit_code", "output")}
+        code = 0 if done["exit_code"] == 0 else 1
     print(json.dumps(out, indent=1))
     return code
 

@@ -306,6 +306,23 @@ def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "a
     return argv + (["--dry-run"] if dry_run else [])
 
 
+def clean_airflow_db(policy: Retention, sql_alchemy_conn: str, *, airflow: str, dry_run: bool = False,
+                     keep_after: float | None = None, now: float | None = None) -> dict:
+    """Run ``airflow db clean`` on the metadata database at ``sql_alchemy_conn`` (a
+    subprocess: Airflow's own code does the deleting), never past the start of a run still in
+    flight nor past ``keep_after``. Returns the argv, exit code and the output's tail."""
+    import subprocess
+
+    bounds = [t - 1 for t in (running_since(sql_alchemy_conn),) if t is not None]
+    if keep_after is not None:
+        bounds.append(keep_after)
+    argv = db_clean_argv(policy, now, airflow=airflow, dry_run=dry_run, keep_after=min(bounds, default=None))
+    done = subprocess.run(argv, env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sql_alchemy_conn},
+                          capture_output=True, text=True, timeout=3600)
+    return {"argv": argv, "before": argv[argv.index("--clean-before-timestamp") + 1],
+            "exit_code": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
+
+
 def sweep(*, workspaces: Path | None, logs: Path | None, db=None,
           policy: Retention | None = None, now: float | None = None, dry_run: bool = False) -> dict:
     """One retention pass over everything but Airflow's metadata (see ``db_clean_argv``)."""

@@ -194,3 +194,30 @@ def test_runs_in_flight_bound_the_metadata_cut(tmp_path):
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=NOW)
     assert argv[argv.index("--clean-before-timestamp") + 1] == \
         datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
+    """The subprocess gets the database it is to clean and a cut before the oldest running
+    run's start and before ``keep_after``, whichever is earlier (a stand-in ``airflow`` that
+    records what it was given: the real command is exercised on the stack, e2e)."""
+    import sqlite3
+
+    db = tmp_path / "airflow.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP)")
+    started = datetime.fromtimestamp(NOW - 40 * DAY, tz=timezone.utc)
+    con.execute("INSERT INTO dag_run (state, start_date) VALUES ('running', ?)",
+                (started.replace(tzinfo=None).isoformat(sep=" "),))
+    con.commit()
+    fake = tmp_path / "airflow"
+    fake.write_text(f'#!/bin/sh\necho "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN $*" > {tmp_path}/called\nexit 3\n')
+    fake.chmod(0o755)
+    url = f"sqlite:///{db}"
+    done = ret.clean_airflow_db(ret.Retention(airflow_days=30), url, airflow=str(fake), now=NOW)
+    assert done["exit_code"] == 3
+    called = (tmp_path / "called").read_text()
+    assert called.startswith(url + " db clean --clean-before-timestamp ")
+    assert done["before"] == datetime.fromtimestamp(NOW - 40 * DAY - 1, tz=timezone.utc).isoformat(timespec="seconds")
+    done = ret.clean_airflow_db(ret.Retention(airflow_days=30), url, airflow=str(fake), now=NOW,
+                                keep_after=NOW - 50 * DAY)
+    assert done["before"] == datetime.fromtimestamp(NOW - 50 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
