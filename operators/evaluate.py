@@ -51,10 +51,8 @@ class EvaluateOperator(BaseOperator):
         # the task's secrets), as the tenant's own OS user where one is mapped.
         from trainflow.launch import envtrim, runas
 
-        env = envtrim.trimmed()
-        if (ids := runas.for_tenant(load_plan(self.run_dir)["spec"]["tenant"])) is not None:
-            runas.give_workspace(Path(self.run_dir), ids)  # files the sync or a hydrate added
-            env.update(runas.env_for(Path(self.run_dir), ids))
+        tenant = load_plan(self.run_dir)["spec"]["tenant"]
+        env = {**envtrim.trimmed(), **runas.hand_over(Path(self.run_dir), tenant)}
         self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
                                  self.run_dir, "--checkpoint", path], log=self.log, env=env, inherit=False)
         if (rc := self._proc.run()) != 0:

@@ -132,7 +132,7 @@ def test_each_tenants_workers_run_as_its_user_and_cannot_open_the_others_run(roo
     assert _as_user(alpha, "open", Path(newest["alpha"].path) / "manifest.json") == "ok"
 
     # The evaluation (the operator runs it so: trimmed environment, the tenant's user).
-    env = {**envtrim.trimmed(), **runas.env_for(runs["alpha"], (alpha, alpha))}
+    env = {**envtrim.trimmed(), **runas.hand_over(runs["alpha"], "alpha")}
     (runs["alpha"] / "metrics.json").unlink(missing_ok=True)
     done = subprocess.run([sys.executable, "-m", "trainflow.worker.evaluate", "--run-dir", str(runs["alpha"])],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -327,9 +327,7 @@ def run(plan_path: Path, node: int) -> int:
     # becomes that user's (0700) and the workers drop to it before loading the workload.
     from trainflow.launch import runas
 
-    if (ids := runas.for_tenant(plan["spec"]["tenant"])) is not None:
-        runas.give_workspace(Path(plan["run_dir"]), ids)
-        os.environ.update(runas.env_for(Path(plan["run_dir"]), ids))
+    os.environ.update(runas.hand_over(Path(plan["run_dir"]), plan["spec"]["tenant"]))
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"
     status_file.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -90,6 +90,17 @@ def env_for(run_dir: Path, ids: tuple[int, int]) -> dict[str, str]:
             "LOGNAME": f"tenant-{uid}"}
 
 
+def hand_over(run_dir: Path, tenant: str) -> dict[str, str]:
+    """Before starting a process that runs ``tenant``'s code on ``run_dir``: when the tenant
+    is mapped, give it the workspace (again: files root processes added since are included)
+    and return what that process's environment needs to drop to its user; else ``{}``."""
+    ids = for_tenant(tenant)
+    if ids is None:
+        return {}
+    give_workspace(Path(run_dir), ids)
+    return env_for(Path(run_dir), ids)
+
+
 def drop_privileges() -> tuple[int, int] | None:
     """In a process about to run a tenant's code: become ``TRAINFLOW_RUN_AS`` (no-op when it
     is unset). Torch elastic's per-worker error file lives in a folder the root agent made:
