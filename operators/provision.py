@@ -11,6 +11,12 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from operators._common import load_plan, translate
 
 
+def history_scope(dag_id: str, spec) -> str:
+    """Which completed runs a run's runtime estimate is learnt from: the same DAG, workload
+    and gang size (the release teardown records each completed run under it)."""
+    return f"{dag_id}|{spec.workload}|{spec.max_nodes}x{spec.nproc_per_node}"
+
+
 class ProvisionOperator(BaseOperator):
     """Validate the run's spec (from the DAG params) and admit its nodes all-or-nothing.
 
@@ -80,10 +86,21 @@ class ProvisionOperator(BaseOperator):
 
     def _request_kwargs(self, spec, run_key: str) -> dict[str, Any]:
         # The gang needs min_nodes (and its spares) now; an elastic one takes what more is
-        # free up to its full size, and its other slots wait for capacity.
-        return {"run_key": run_key, "tenant": spec.tenant, "pool": self.node_pool,
-                "nodes": spec.min_nodes + spec.spares, "up_to": spec.max_nodes + spec.spares,
-                "ttl": self.lease_ttl, "priority": spec.priority}
+        # free up to its full size, and its other slots wait for capacity. The runtime
+        # estimate (for a backfilling pool) is the spec's, else the DAG's history.
+        # Computed once per task attempt: the request, the deferral and the slot leases all
+        # use it, and the estimate reads the run history.
+        from trainflow.cluster.allocator import Allocator
+
+        memo = getattr(self, "_request_memo", None)
+        if memo is not None and memo["run_key"] == run_key:
+            return dict(memo)
+        estimate = spec.runtime_estimate or Allocator().estimate(history_scope(self.dag_id, spec), spec.steps)
+        self._request_memo = {"run_key": run_key, "tenant": spec.tenant, "pool": self.node_pool,
+                              "nodes": spec.min_nodes + spec.spares, "up_to": spec.max_nodes + spec.spares,
+                              "ttl": self.lease_ttl, "priority": spec.priority,
+                              "preemptible": spec.preemptible, "estimate": estimate}
+        return dict(self._request_memo)
 
     def _request(self, spec, run_key: str):
         from trainflow.cluster.allocator import Allocator, embedded_capacity
@@ -109,7 +126,8 @@ class ProvisionOperator(BaseOperator):
                       lease.expires)
         ws.create()
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
-        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator())
+        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator(),
+                          request=self._request_kwargs(spec, run_key))
         resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
                                  world_size=None if spec.elastic else spec.world_size)
         ti = context["ti"]

@@ -19,7 +19,11 @@ class ShardTrainOperator(BaseOperator):
     (``trainflow.cluster.nodes.NodeTry``: cordon, chip health, free disk, rendezvous);
     infrastructure failures of the node are charged to its host, which is cordoned after
     too many. Failures raise trainflow's own errors, which the DAG's retry policy sorts:
-    ``RunAbortedError`` fails at once, other ``TrainingError``\ s retry after 1 s.
+    ``RunAbortedError`` fails at once, other ``TrainingError``\ s retry after 1 s. A
+    preemptible run's node watches for the allocator's preemption order: the gang stops at a
+    checkpoint, the task gives the nodes back, requeues the run and defers until it is
+    admitted again, then trains on from that checkpoint in the same try
+    (``trainflow.cluster.preemption``).
 
     :param node: node index in the gang (templated).
     :param plan_path: the run's plan.json written by provision (templated).
@@ -34,15 +38,11 @@ class ShardTrainOperator(BaseOperator):
         self._agent: Subprocess | None = None
 
     def execute(self, context) -> dict[str, Any]:
-        import os
         from pathlib import Path
 
         from airflow.sdk.exceptions import AirflowFailException
 
-        from trainflow.checkpoint.manifest import newest_verified
-        from trainflow.cluster.nodes import NodeTry
-        from trainflow.errors import HeartbeatTimeoutError, LaunchError, RunAbortedError
-        from trainflow.heartbeat import read_all
+        from trainflow.errors import RunAbortedError
         from trainflow.remediation import aborted as read_abort
 
         run_dir = Path(self.plan_path).parent
@@ -51,27 +51,64 @@ class ShardTrainOperator(BaseOperator):
         store = context.get("task_state_store")
         try_number = context["ti"].try_number
         if try_number > spec["retries"] + 1:
-            raise AirflowFailException(f"node {node}: retry budget of the run spent "
-                                       f"(retries={spec['retries']}, this is try {try_number})")
+            import time
+
+            from trainflow.remediation import abort
+
+            message = (f"node {node}: retry budget of the run spent (retries={spec['retries']}, this is "
+                       f"try {try_number})")
+            # The gang cannot be whole again: stop the other nodes and the watch now, instead
+            # of leaving them waiting for this node until their own timeouts.
+            abort(run_dir, {"rank": None, "node": node, "kind": "retries_exhausted", "type": "RetryBudgetSpent",
+                            "message": message, "time": time.time()})
+            raise AirflowFailException(message)
         if store is not None and (prev := store.get("checkpoint")):
             self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
         if (abort := read_abort(run_dir)) is not None:
             raise RunAbortedError(abort_message(abort))
         if not self._capacity(run_dir, node):
             return {"node": node, "released": True, "ranks": [], "step": None}
+        watch = self._preemption_watch(run_dir, plan, node)
+        if watch is not None and not watch.holds_lease():
+            # Preempted and requeued (a retry, or a wait that timed out): train only once
+            # admitted again, never beside the run its nodes were given to.
+            self.log.info("node %d: the run holds no lease (preempted and requeued); waiting for re-admission", node)
+            self._defer_admission(plan, watch)
         if spec.get("launcher") == "kubernetes":
             return self._run_pod(context, plan, node, try_number)
+        return self._train(context, run_dir, plan, node, try_number)
+
+    def _train(self, context, run_dir, plan: dict, node: int, try_number: int) -> dict[str, Any]:
+        """Preflight, then run the node's agent until the gang ends; a preempted gang's
+        node task requeues the run and defers until it is admitted again (``readmitted``)."""
+        import os
+
+        from trainflow.checkpoint.manifest import newest_verified
+        from trainflow.cluster.nodes import NodeTry
+        from trainflow.errors import HeartbeatTimeoutError, LaunchError, RunAbortedError
+        from trainflow.heartbeat import read_all
+        from trainflow.remediation import aborted as read_abort
+        from trainflow.workspace import completed
+
+        store = context.get("task_state_store")
         attempt = NodeTry(plan, node, try_number)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
         durable = durable_store(plan)  # one client for the fetch and the uploads
         self._hydrate(run_dir, plan, durable)
         uploader = self._uploader(run_dir, plan, node, durable)
+        watch = self._preemption_watch(run_dir, plan, node)
+        overdue: list[str] = []
 
         def poll() -> str | None:
             if uploader is not None:
                 uploader.poll()
-            return "abort" if read_abort(run_dir) is not None else attempt.replacement_requested()
+            if read_abort(run_dir) is not None:
+                return "abort"
+            if watch is not None and (why := watch.poll()) is not None:
+                overdue.append(why)
+                return why
+            return attempt.replacement_requested()
 
         self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
                                   "--plan", self.plan_path, "--node", str(node)], log=self.log,
@@ -88,6 +125,8 @@ class ShardTrainOperator(BaseOperator):
         if (abort := read_abort(run_dir)) is not None:
             attempt.end("aborted")
             raise RunAbortedError(abort_message(abort))
+        if watch is not None and (overdue or rc == 0) and not completed(run_dir) and watch.ordered():
+            self._requeue(context, plan, node, attempt, watch, forced=overdue[0] if overdue else None)
         if isinstance(rc, str):
             attempt.end("replaced", failure=f"node {node} replaced: {rc}")
             raise HeartbeatTimeoutError(f"node {node} killed for replacement: {rc}")
@@ -104,6 +143,65 @@ class ShardTrainOperator(BaseOperator):
             "loss": {str(r): b.get("loss") for r, b in sorted(mine.items())},
             "samples_per_s": sum(b.get("samples_per_s", 0.0) for b in mine.values()),
         }
+
+    def _preemption_watch(self, run_dir, plan: dict, node: int):
+        """The node's watch over preemption orders (None: the run is not preemptible)."""
+        from trainflow.cluster.preemption import PreemptionWatch
+        from trainflow.cluster.slots import SlotLeases
+
+        leases = SlotLeases.open(run_dir)
+        if not plan["spec"].get("preemptible") or leases is None or not leases.request:
+            return None
+        watch = PreemptionWatch(run_dir, leases.run_key, node)
+        watch.request = leases.request  # what the run asks again with once requeued
+        return watch
+
+    def _requeue(self, context, plan: dict, node: int, attempt, watch, *, forced: str | None) -> None:
+        """The gang stopped for a preemption (or was stopped, ``forced``): give the nodes
+        back, requeue the run and wait deferred, holding no worker slot, until the pool
+        admits it again; then ``readmitted`` starts the node again. Never returns."""
+        step = watch.stopped_at()
+        attempt.end("preempted")
+        request = watch.request
+        by = (watch.order or {}).get("by")
+        if forced:
+            self.log.warning("node %d: %s", node, forced)
+        else:
+            self.log.info("node %d: preempted for %r; the gang stopped at its checkpoint of step %s", node, by, step)
+        if watch.requeue(nodes=request["nodes"]):
+            self.log.info("gave the run's nodes back; it waits in pool %r's queue for re-admission", request["pool"])
+        context["ti"].xcom_push(key="preempted", value={"by": by, "step": step, "forced": bool(forced)})
+        self._defer_admission(plan, watch)
+
+    def _defer_admission(self, plan: dict, watch) -> None:
+        """Wait, deferred, until the pool admits the run again (``readmitted``)."""
+        from datetime import timedelta
+
+        from operators.provision import AdmissionTrigger
+
+        self.defer(trigger=AdmissionTrigger(request=watch.request), method_name="readmitted",
+                   timeout=timedelta(seconds=float(plan["spec"]["admission_timeout"])))
+
+    def readmitted(self, context, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after a preemption: the run was admitted again; train from the checkpoint
+        the gang stopped at."""
+        from pathlib import Path
+
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from trainflow.errors import RunAbortedError
+        from trainflow.remediation import aborted as read_abort
+
+        if event.get("status") != "admitted":
+            raise AirflowFailException(f"re-admission after a preemption: {event.get('message')}")
+        run_dir = Path(self.plan_path).parent
+        plan, node = load_plan(run_dir), int(self.node)
+        watch = self._preemption_watch(run_dir, plan, node)
+        watch.resumed(float(event.get("waited_s", 0.0)))
+        self.log.info("node %d: admitted again after %.0f s in the queue; resuming", node, event.get("waited_s", 0.0))
+        if (abort := read_abort(run_dir)) is not None:
+            raise RunAbortedError(abort_message(abort))
+        return self._train(context, run_dir, plan, node, context["ti"].try_number)
 
     def _run_pod(self, context, plan: dict, node: int, try_number: int) -> dict[str, Any]:
         """Run the node as a pod; its agent does the preflight on the chip host."""

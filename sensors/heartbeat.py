@@ -58,12 +58,13 @@ class HeartbeatTrigger(BaseTrigger):
             "straggler_margin": self.straggler_margin, "exclude_stragglers": self.exclude_stragglers,
         })
 
-    def check(self, beats: dict[int, dict], now: float):
+    def check(self, beats: dict[int, dict], now: float, node_started: dict[int, float] | None = None):
         from trainflow.heartbeat import HeartbeatPolicy, classify
 
         return classify(beats, now=now,
                         world_size=self.world_size, started_at=self.started_at,
-                        policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout))
+                        policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout),
+                        node_started=node_started)
 
     def watch_stragglers(self, run_dir, beats: dict[int, dict], suspects: dict[int, int],
                          reported: dict[int, dict]) -> None:
@@ -112,8 +113,9 @@ class HeartbeatTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from pathlib import Path
 
-        from trainflow.heartbeat import Action, decide, read_all
+        from trainflow.heartbeat import Action, decide, node_starts, read_all
         from trainflow.remediation import abort_source, aborted, remediations, request_node_restart
+        from trainflow.workspace import preempted
 
         run_dir, last = Path(self.run_dir), None
         # The startup window opens when this watch starts, also when a triggerer restart
@@ -123,12 +125,26 @@ class HeartbeatTrigger(BaseTrigger):
         self.started_at = max(self.started_at, time.time())
         suspects: dict[int, int] = {}  # rank → consecutive polls flagged
         reported: dict[int, dict] = {}  # rank → its straggler report
+        paused = False
         while True:
+            if (stop := await asyncio.to_thread(preempted, run_dir)) is not None:
+                # Preempted (or asked to stop for it): no progress is expected until the run
+                # is admitted again; the re-formed gang then gets a fresh startup window.
+                if not paused:
+                    self.log.info("run preempted (%s): watch paused until it is admitted again", stop)
+                paused, self.started_at, last = True, time.time(), None
+                suspects.clear()
+                await asyncio.sleep(self.poll_interval)
+                continue
+            if paused:
+                self.log.info("run admitted again: watching its gang's startup")
+                paused = False
             beats = await asyncio.to_thread(read_all, run_dir / "heartbeats")  # once per poll
+            starts = await asyncio.to_thread(node_starts, run_dir)
             await asyncio.to_thread(self.watch_stragglers, run_dir, beats, suspects, reported)
             abort = await asyncio.to_thread(aborted, run_dir)
             now = time.time()
-            result = self.check(beats, now)
+            result = self.check(beats, now, starts)
             done = await asyncio.to_thread(remediations, run_dir)
             action = decide(result.verdict, replacements=done, budget=self.max_remediations,
                             aborted=abort is not None)

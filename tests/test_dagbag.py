@@ -102,3 +102,22 @@ def test_maintenance_dag_sweeps_hourly_one_run_at_a_time(dagbag):
     assert dag.params.get_param("airflow_days").resolve(0) == 0
     with pytest.raises(Exception):
         dag.params.get_param("airflow_days").resolve(-1)
+
+
+def test_provision_reads_the_run_history_once_per_attempt(monkeypatch):
+    """The admission request, its deferral and the slot leases share one estimate."""
+    from operators.provision import ProvisionOperator
+    from trainflow.cluster import allocator
+    from trainflow.spec import TrainingSpec
+
+    calls = []
+    monkeypatch.setattr(allocator.Allocator, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(allocator.Allocator, "estimate", lambda self, scope, steps: calls.append(scope) or 42.0)
+    op = ProvisionOperator(task_id="provision", node_pool="gpu")
+    spec = TrainingSpec.from_mapping({"workload": "digits", "steps": 100, "nodes": 2})
+    first = op._request_kwargs(spec, "default/dag/run-1")
+    first["nodes"] = 99  # a caller's change does not leak into the memo
+    again = op._request_kwargs(spec, "default/dag/run-1")
+    assert len(calls) == 1 and again["estimate"] == 42.0 and again["nodes"] == 2
+    op._request_kwargs(spec, "default/dag/run-2")
+    assert len(calls) == 2

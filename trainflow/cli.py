@@ -6,14 +6,18 @@
     trainflow validate SPEC.json           check a spec; exit 2 with the field, value and fix
     trainflow hosts [--uncordon H | --cordon H --reason R]
                                            host failures and cordons; lift or set one
+    trainflow pool [--pool P] [--nodes N] [--policy priority|fifo|backfill]
+                                           a node pool: size, admission policy, leases, queue
     trainflow quota [--pool P] [--set TENANT=NODES | --unset TENANT]
                                            a pool's tenant quotas (fair-share admission)
     trainflow retention [--dry-run] [--airflow-db]
                                            delete old finished runs' workspaces, old logs and
                                            stale rows (and Airflow's old metadata rows)
-    trainflow doctor [--chip F | --queue Q] [--json] [--register]
+    trainflow doctor [--chip F | --queue Q] [--json] [--register [--pool P] [--label K=V]]
                                            this host's chips, health, queue and worker
-                                           command (exit 1: unhealthy)
+                                           command (exit 1: unhealthy); record it
+    trainflow worker --queues Q [--pool P] [--label K=V]
+                                           register this host, then run its Celery worker
     trainflow pods SPEC.json [--node N]    the Kubernetes pods of a run, as YAML (dry run)
     trainflow helm-values [--family F]     Airflow Helm chart values, a worker set per chip queue
     trainflow simulate --trace CSV --capacity N --policy P
@@ -82,8 +86,28 @@ def quota(pool: str, assign: str | None, unset: str | None) -> int:
     elif unset is not None:
         alloc.set_quota(pool, unset, None)
     quotas = alloc.quotas(pool)
-    print(json.dumps({"pool": pool, "policy": "fairshare" if quotas else "priority", "quotas": quotas,
+    print(json.dumps({"pool": pool, "policy": alloc.policy(pool), "quotas": quotas,
                       "queue": alloc.queue(pool)}, indent=1))
+    return 0
+
+
+def pool(name: str, nodes: int | None, policy: str | None) -> int:
+    """Resize a pool or set its admission policy, then print it: size, policy, leases, queue."""
+    from trainflow.cluster.allocator import Allocator, embedded_capacity
+
+    alloc = Allocator()
+    if nodes is None and name == "embedded" and name not in alloc.pools():
+        nodes = embedded_capacity()  # provision creates it so on a run's first admission
+    if nodes is not None or policy is not None:
+        alloc.set_pool(name, nodes if nodes is not None else alloc.capacity(name), policy=policy)
+    from trainflow.cluster.hosts import HostRegistry
+
+    hosts = [{k: h[k] for k in ("host", "queue", "family", "model", "devices", "labels", "cordoned")}
+             for h in HostRegistry().inventory(pool=name)]
+    print(json.dumps({"pool": name, "nodes": alloc.capacity(name), "policy": alloc.policy(name),
+                      "hosts": hosts, "quotas": alloc.quotas(name),
+                      "leases": [{"run": l.run_key, "nodes": l.nodes, "granted": l.granted} for l in alloc.leases(name)],
+                      "queue": alloc.queue(name)}, indent=1))
     return 0
 
 
@@ -130,18 +154,72 @@ def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
     return 0
 
 
-def doctor(chip: str | None, queue: str | None, model: str | None, as_json: bool, register: bool) -> int:
+def doctor(chip: str | None, queue: str | None, model: str | None, as_json: bool, register: bool,
+           pool: str | None = None, labels: list[str] | None = None) -> int:
     from trainflow.chips.doctor import examine, format_report
 
     report = examine(explicit=chip, queue=queue, model=model)
-    if register and report["healthy"]:
-        from trainflow.cluster.hosts import HostRegistry, host_name
-
-        HostRegistry().register(host_name(), queue=report["queue"], family=report["family"],
-                                devices=report["devices"] or 0)
-        report["registered"] = host_name()
+    if register:
+        report.update(register_host(report, pool=pool, labels=parse_labels(labels or [])))
     print(json.dumps(report, indent=1) if as_json else format_report(report))
     return 0 if report["healthy"] else 1
+
+
+def parse_labels(words: list[str]) -> dict[str, str]:
+    """``["rack=r1", "zone=a"]`` → ``{"rack": "r1", "zone": "a"}``.
+
+    Raises:
+        SpecError: a word that is not ``name=value``.
+    """
+    labels = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise SpecError("--label", word, "name=value, e.g. --label rack=r1")
+        labels[key] = value
+    return labels
+
+
+def register_host(report: dict, *, pool: str | None, labels: dict[str, str]) -> dict:
+    """Record this host in the inventory from the doctor's ``report``: its queue, family,
+    model and chips in ``pool`` (default: its queue) with ``labels``. A host whose chips are
+    unhealthy is registered cordoned, with the doctor's reason (its preflight lifts the
+    cordon once the chips pass again). Returns what to add to the report."""
+    from trainflow.cluster.hosts import HostRegistry, host_name
+
+    registry, host = HostRegistry(), host_name()
+    registry.register(host, queue=report["queue"], family=report["family"], devices=report["devices"] or 0,
+                      pool=pool, model=report.get("model") or "", labels=labels)
+    out = {"registered": host, "pool": pool or report["queue"], "labels": labels}
+    if not report["healthy"]:
+        reason = f"doctor at registration: {report['health'].get('detail') or 'unhealthy chips'}"
+        out["cordoned"] = registry.cordon(host, reason=reason).reason
+    return out
+
+
+def worker(queues: str, pool: str | None, labels: list[str], concurrency: int, dry_run: bool) -> int:
+    """Register this host (doctor) and become its Celery worker for ``queues``."""
+    from trainflow.chips.doctor import examine
+
+    chip_queues = [q for q in queues.split(",") if q and q != "default"]
+    report = examine(queue=chip_queues[0]) if chip_queues else None
+    if report is not None:
+        added = register_host(report, pool=pool, labels=parse_labels(labels))
+        print(json.dumps({"queue": report["queue"], "devices": report["devices"], "healthy": report["healthy"]}
+                         | added), flush=True)
+    argv = worker_argv(queues, concurrency)
+    if dry_run:
+        print(" ".join(argv))
+        return 0
+    os.execvp(argv[0], argv)
+    return 1  # not reached
+
+
+def worker_argv(queues: str, concurrency: int) -> list[str]:
+    """``airflow celery worker`` for ``queues``, from this Python's environment."""
+    airflow = Path(sys.executable).parent / "airflow"
+    return [str(airflow) if airflow.exists() else "airflow", "celery", "worker", "--queues", queues,
+            "--concurrency", str(concurrency)]
 
 
 def pods(spec_path: str, node: int | None, dag_id: str, run_id: str) -> int:
@@ -219,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--set", metavar="TENANT=NODES")
     g.add_argument("--unset", metavar="TENANT")
+    p = sub.add_parser("pool", help="show a node pool (size, policy, leases, queue); resize it or set "
+                                    "its admission policy")
+    p.add_argument("--pool", default="embedded", help="allocator pool (default: embedded)")
+    p.add_argument("--nodes", type=int, help="the pool's size in nodes")
+    p.add_argument("--policy", choices=["priority", "fifo", "backfill"],
+                   help="admission without quotas: priority (default), fifo, or backfill (EASY, on "
+                        "runtime estimates)")
     p = sub.add_parser("retention", help="delete what only accumulates: old finished runs' workspaces, "
                                          "old logs, stale rows; with --airflow-db also `airflow db clean`")
     p.add_argument("--workspaces", type=Path, help="workspace root (default: $TRAINFLOW_HOME/runs)")
@@ -237,7 +322,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="chip model for the queue name (default: the family's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--register", action="store_true",
-                   help="record this host's queue and device count (provision checks nproc_per_node)")
+                   help="record this host in the inventory: queue, chips, pool, labels (provision checks "
+                        "nproc_per_node; a pool without a set size counts its registered hosts)")
+    p.add_argument("--pool", help="with --register: the node pool (default: the queue)")
+    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --register: a label, e.g. rack=r1 (repeatable)")
+    p = sub.add_parser("worker", help="register this host (doctor --register) and run its Celery worker")
+    p.add_argument("--queues", required=True, help="queues to serve, e.g. nvidia-gpu or default,cpu")
+    p.add_argument("--pool", help="the node pool (default: the chip queue)")
+    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--concurrency", type=int, default=1, help="tasks at once (1 per chip host)")
+    p.add_argument("--dry-run", action="store_true", help="register and print the worker command; do not start it")
     p = sub.add_parser("pods", help="print the Kubernetes pods of a run (dry run; applies nothing)")
     p.add_argument("spec")
     p.add_argument("--node", type=int, help="only this slot")
@@ -274,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "helm-values":
             return helm_values(tuple(args.family or ()), args.image, args.tag)
         if args.command == "doctor":
-            return doctor(args.chip, args.queue, args.model, args.json, args.register)
+            return doctor(args.chip, args.queue, args.model, args.json, args.register, args.pool, args.label)
+        if args.command == "worker":
+            return worker(args.queues, args.pool, args.label, args.concurrency, args.dry_run)
         if args.command == "pods":
             return pods(args.spec, args.node, args.dag_id, args.run_id)
         if args.command == "hosts":
             return hosts(args.uncordon, args.cordon, args.reason)
         if args.command == "retention":
             return retention(args)
+        if args.command == "pool":
+            return pool(args.pool, args.nodes, args.policy)
         if args.command == "quota":
             return quota(args.pool, args.set, args.unset)
         if args.command == "validate":

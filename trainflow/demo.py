@@ -3,7 +3,9 @@
 ``python -m trainflow.demo`` (what ``scripts/demo`` runs) starts Airflow (or reuses the
 running one), triggers ``train_digits`` over the REST API v2 with a conf, prints live
 progress (step, loss, nodes) from the run's heartbeats, then the metrics, the checkpoint,
-the UI address and the login. ``python -m trainflow.demo stop`` stops the stack.
+the UI address and the login. ``python -m trainflow.demo stop`` stops the stack;
+``python -m trainflow.demo supervise`` runs it in the foreground, restarting any component
+that exits, until SIGTERM.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="trainflow embedded demo")
-    parser.add_argument("action", nargs="?", default="run", choices=["run", "up", "stop", "status"])
+    parser.add_argument("action", nargs="?", default="run", choices=["run", "up", "supervise", "stop", "status"])
     parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINFLOW_PORT", "8080")))
     parser.add_argument("--dag", default="train_digits")
     parser.add_argument("--conf", default=json.dumps(DEMO_CONF))
@@ -149,7 +151,31 @@ def main(argv: list[str] | None = None) -> int:
         user, password = stack.credentials()
         print(f"Airflow UI {stack.url}   login: {user} / {password}")
         return 0
+    if args.action == "supervise":
+        return supervise(stack)
     return demo(args)
+
+
+def supervise(stack: EmbeddedStack, interval: float = 5.0) -> int:
+    """Start the stack and keep it running in the foreground (for systemd, a container's
+    init, or nohup): a component that exits is started again within ``interval`` seconds
+    (``EmbeddedStack.supervise``). SIGTERM or Ctrl-C stops the stack and returns."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stack.up(timeout=300)
+    user, password = stack.credentials()
+    print(f"Airflow UI {stack.url}   login: {user} / {password}; supervising (SIGTERM stops)", flush=True)
+    try:
+        stack.supervise(stop, interval=interval,
+                        on_restart=lambda started: print(f"restarted {', '.join(started)}", flush=True))
+    finally:
+        stopped = stack.stop()
+        print(f"stopped: {', '.join(stopped) or 'nothing was running'}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

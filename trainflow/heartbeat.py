@@ -145,6 +145,22 @@ def read_all(directory: Path) -> dict[int, dict]:
     return out
 
 
+def node_starts(run_dir: Path) -> dict[int, float]:
+    """node → when its current agent started (``nodes/node-<n>.json``, written by every
+    try of the node's task as its agent starts); unreadable records are skipped."""
+    out: dict[int, float] = {}
+    d = Path(run_dir) / "nodes"
+    if not d.is_dir():
+        return out
+    for p in d.glob("node-*.json"):
+        try:
+            record = json.loads(p.read_text())
+            out[int(record["node"])] = float(record["started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def current_gang(beats: dict[int, dict], world_size: int) -> tuple[dict[int, dict], int]:
     """The heartbeats of the gang now running, and its world size. Pure.
 
@@ -162,7 +178,7 @@ def current_gang(beats: dict[int, dict], world_size: int) -> tuple[dict[int, dic
 
 
 def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at: float,
-             policy: HeartbeatPolicy) -> Classification:
+             policy: HeartbeatPolicy, node_started: dict[int, float] | None = None) -> Classification:
     """Decide what the heartbeats of a run say. Pure: time is a parameter.
 
     Args:
@@ -172,6 +188,10 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
             say, ``current_gang``).
         started_at: when watching began (start of the startup window).
         policy: the timeouts.
+        node_started: node → when its current agent started (``node_starts``). A rank
+            whose last progress predates its node's restart is being replaced (Airflow
+            retried the node's task, whose new workers have not beaten yet): the startup
+            window applies to it from the node's start, not the progress timeout.
     """
     beats, world_size = current_gang(beats, world_size)
     steps = {r: int(b.get("step", -1)) for r, b in beats.items()}
@@ -191,10 +211,15 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
         if state == RankState.DONE.value:
             continue
         progress = float(b.get("progress_time", b.get("time", 0)))
-        if state in (RankState.STARTING.value, RankState.FAILED.value) or progress < started_at:
-            # Starting up (imports, rendezvous) or not seen progressing since the watch
-            # (re)started: the startup window applies, not the progress timeout.
-            since, limit = max(progress, started_at), policy.startup_timeout
+        restarted = (node_started or {}).get(int(b["node"])) if b.get("node") is not None else None
+        if restarted is not None and restarted <= progress:
+            restarted = None
+        if state in (RankState.STARTING.value, RankState.FAILED.value) or progress < started_at \
+                or restarted is not None:
+            # Starting up (imports, rendezvous), not seen progressing since the watch
+            # (re)started, or its node's task restarted since (a replacement starting
+            # cold): the startup window applies, not the progress timeout.
+            since, limit = max(progress, started_at, restarted or 0.0), policy.startup_timeout
         else:
             since, limit = progress, policy.timeout
         if now - since > limit:

@@ -8,6 +8,7 @@ file in the run's workspace that the task polls (embedded profile).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from trainflow.heartbeat import Classification, read_all
@@ -50,7 +51,13 @@ def remediations(run_dir: Path) -> int:
 def _request(run_dir: Path, node: int, payload: dict) -> None:
     control = Path(run_dir) / "control"
     control.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(control / f"restart-node-{node:04d}.json", payload)
+    pending = control / f"restart-node-{node:04d}.json"
+    if pending.exists():
+        # The node's task never took the last request (it is gone for good, e.g. its retries
+        # are spent): keep it, so it still counts against the watch's budget.
+        n = len(list(control.glob(f"{pending.name}.unanswered-*")))
+        os.replace(pending, pending.with_name(f"{pending.name}.unanswered-{n}"))
+    write_json_atomic(pending, payload)
 
 
 def request_node_restart(run_dir: Path, result: Classification, now: float) -> list[int]:

@@ -223,17 +223,15 @@ def rotate_component_logs(logs: Path, policy: Retention) -> list[str]:
 
 def prune_state(db=None, policy: Retention | None = None, now: float | None = None) -> dict:
     """Delete trainflow's rows that only accumulate: host failure records older than
-    ``host_failure_days``, offline marks whose time passed, expired leases. Returns counts."""
+    ``host_failure_days``, and the allocator's expired leases, past offline marks, abandoned
+    waits and the marks of runs gone (``Allocator.prune``). Returns counts."""
     from trainflow.cluster.allocator import Allocator
     from trainflow.cluster.hosts import HostRegistry
 
     policy = policy or Retention()
     now = time.time() if now is None else now
     alloc, hosts = Allocator(db), HostRegistry(db)  # both create their tables
-    out = {}
-    with closing(alloc._connect()) as con:
-        out["leases"] = con.execute("DELETE FROM leases WHERE expires < ?", (now,)).rowcount
-        out["offline"] = con.execute("DELETE FROM offline WHERE until < ?", (now,)).rowcount
+    out = alloc.prune(now)
     with closing(hosts._connect()) as con:
         out["host_failures"] = con.execute(
             "DELETE FROM host_failures WHERE time < ?",
@@ -248,7 +246,8 @@ def state_rows(db=None) -> dict[str, int]:
 
     alloc, hosts = Allocator(db), HostRegistry(db)
     out = {}
-    for store, tables in ((alloc, ("pools", "leases", "offline", "quotas", "waiting")),
+    for store, tables in ((alloc, ("pools", "leases", "offline", "quotas", "waiting", "pool_policies",
+                                   "estimates", "run_history", "preemptible", "preemptions")),
                           (hosts, ("host_failures", "cordons", "inventory"))):
         with closing(store._connect()) as con:
             for t in tables:
@@ -267,10 +266,17 @@ AIRFLOW_TABLES = (
     "celery_taskmeta", "celery_tasksetmeta",
 )
 
-def running_since(sql_alchemy_conn: str) -> float | None:
-    """When the oldest DAG run still running started (Airflow's metadata database), or None.
-    ``airflow db clean`` cuts runs by their start, so a run training longer than the bound
-    would lose its rows mid-flight: the cut never passes this."""
+# The youngest metadata rows `airflow db clean` may cut: well past any live component's
+# heartbeat (seconds) and Airflow's own health threshold (30 s).
+AIRFLOW_MIN_AGE_S = 120.0
+
+
+def running_since(sql_alchemy_conn: str, ended_after: float | None = None) -> float | None:
+    """When the oldest DAG run still running — or, with ``ended_after``, that ended after
+    it — started (Airflow's metadata database), or None. ``airflow db clean`` cuts runs by
+    their start, so a run training longer than the bound would lose its rows mid-flight, and
+    a run that just ended would lose them before anyone read its result: the cut never
+    passes this."""
     from datetime import datetime, timezone
 
     import sqlalchemy
@@ -278,8 +284,16 @@ def running_since(sql_alchemy_conn: str) -> float | None:
     engine = sqlalchemy.create_engine(sql_alchemy_conn)
     try:
         with engine.connect() as con:
-            oldest = con.execute(sqlalchemy.text(
-                "SELECT MIN(start_date) FROM dag_run WHERE state = 'running'")).scalar()
+            if ended_after is None:
+                oldest = con.execute(sqlalchemy.text(
+                    "SELECT MIN(start_date) FROM dag_run WHERE state = 'running'")).scalar()
+            else:
+                since = datetime.fromtimestamp(ended_after, tz=timezone.utc)
+                if engine.dialect.name == "sqlite":  # naive UTC text, compared as text
+                    since = since.replace(tzinfo=None).isoformat(sep=" ")
+                oldest = con.execute(sqlalchemy.text(
+                    "SELECT MIN(start_date) FROM dag_run WHERE state = 'running' OR end_date > :since"),
+                    {"since": since}).scalar()
     finally:
         engine.dispose()
     if oldest is None:
@@ -297,7 +311,9 @@ def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "a
     archiving would only move the growth). Nothing at or after ``keep_after`` is cut (the
     runs still in flight: see ``running_since``)."""
     now = time.time() if now is None else now
-    cut = now - policy.airflow_days * DAY
+    # Never closer to now than AIRFLOW_MIN_AGE_S, whatever the bound: `job` rows are cut by
+    # their last heartbeat, and a live scheduler whose row was cut crashes on its next one.
+    cut = now - max(policy.airflow_days * DAY, AIRFLOW_MIN_AGE_S)
     if keep_after is not None:
         cut = min(cut, keep_after)
     cutoff = datetime.fromtimestamp(cut, tz=timezone.utc)
@@ -310,10 +326,13 @@ def clean_airflow_db(policy: Retention, sql_alchemy_conn: str, *, airflow: str, 
                      keep_after: float | None = None, now: float | None = None) -> dict:
     """Run ``airflow db clean`` on the metadata database at ``sql_alchemy_conn`` (a
     subprocess: Airflow's own code does the deleting), never past the start of a run still in
-    flight nor past ``keep_after``. Returns the argv, exit code and the output's tail."""
+    flight or that ended within ``airflow_days`` (a run is kept that long after it ends), nor
+    past ``keep_after``. Returns the argv, exit code and the output's tail."""
     import subprocess
 
-    bounds = [t - 1 for t in (running_since(sql_alchemy_conn),) if t is not None]
+    now = time.time() if now is None else now
+    ended_after = now - policy.airflow_days * DAY
+    bounds = [t - 1 for t in (running_since(sql_alchemy_conn, ended_after),) if t is not None]
     if keep_after is not None:
         bounds.append(keep_after)
     argv = db_clean_argv(policy, now, airflow=airflow, dry_run=dry_run, keep_after=min(bounds, default=None))

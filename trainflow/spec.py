@@ -144,6 +144,16 @@ class TrainingSpec:
     priority: int = field(default=0, metadata=_meta(
         "Priority", "Admission order in the node pool: higher first, first come first served "
         "within a priority.", minimum=-100, maximum=100))
+    runtime_estimate: float = field(default=0.0, metadata=_meta(
+        "Runtime estimate (s)", "Expected seconds from admission to the end of the run. A pool "
+        "set to backfill may start the run early, in nodes the first waiting gang's reservation "
+        "leaves free meanwhile. 0: estimated from the DAG's completed runs of the same workload "
+        "and node count, if any.", minimum=0, maximum=365 * 86_400))
+    preemptible: bool = field(default=False, metadata=_meta(
+        "Preemptible", "A waiting run of higher priority (or, in a pool with quotas, within its "
+        "tenant's quota while this run borrows) may stop this one: it checkpoints at the next "
+        "step boundary, gives its nodes back, waits in the queue and resumes from that "
+        "checkpoint. Fixed-size gangs without spares on the local launcher."))
     admission_timeout: float = field(default=86_400.0, metadata=_meta(
         "Admission timeout (s)", "Longest wait in the pool's queue for the gang's nodes before "
         "provision fails (the wait is deferred: it holds no worker slot).", minimum=1, maximum=30 * 86_400))
@@ -195,6 +205,12 @@ class TrainingSpec:
                             f"must be at least shrink_grace + 10 s ({self.shrink_grace + 10:g}) in an "
                             f"elastic gang, whose survivors wait shrink_grace for a replacement "
                             f"without training; raise it or lower shrink_grace")
+        if self.preemptible and (self.elastic or self.spares or self.launcher != "local"):
+            field_, value = (("nodes", self.nodes) if self.elastic else ("spares", self.spares) if self.spares
+                             else ("launcher", self.launcher))
+            raise SpecError(field_, value, "a preemptible run is a fixed-size gang without spares on the "
+                            "local launcher (its requeue re-admits the same nodes); set preemptible=false "
+                            "or use a fixed nodes count, spares=0 and launcher=local")
         if ".." in self.store_uri:
             raise SpecError("store_uri", self.store_uri, "must not contain '..'")
 

@@ -164,6 +164,13 @@ class EmbeddedStack:
             # left a whole-stack SIGKILL's runs idle for 5 minutes.
             "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "30",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            # A task that starts while the api-server is restarting or swamped (a whole-stack
+            # restart on a busy host) waits for it instead of failing its try: Airflow's 5
+            # calls with a 5 s timeout gave up after ~12 s, and each such start spent one of
+            # the run's retries (seen in CI: two stops cost four tries).
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30",
+            "AIRFLOW__WORKERS__EXECUTION_API_RETRIES": "8",
+            "AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX": "30",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
             "AIRFLOW__TRIGGERER__DEFAULT_CAPACITY": "100",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
@@ -228,6 +235,25 @@ class EmbeddedStack:
         (self.home / "passwords.json").write_text(json.dumps({user: password}))
         subprocess.run([self._airflow(), "db", "migrate"], env=self.env(), check=True,
                        stdout=open(self.home / "logs" / "db-migrate.log", "ab"), stderr=subprocess.STDOUT)
+        self.register_hosts()
+
+    def register_hosts(self) -> None:
+        """Record the stack's hosts in trainflow's inventory: this machine in the embedded
+        pool (its node slots share it), and each Celery worker as a host of its queues'
+        pool (they are processes on this machine, so they count its CPUs)."""
+        from trainflow.cluster.allocator import Allocator
+        from trainflow.cluster.hosts import HostRegistry, host_name
+
+        db = self.state_db or self.trainflow_home / "state.db"
+        Allocator(db).set_pool("embedded", self.node_slots)
+        hosts = HostRegistry(db)
+        cpus = os.cpu_count() or 1
+        hosts.register(host_name(), queue="cpu", family="cpu", devices=cpus, pool="embedded",
+                       labels={"profile": "embedded", "node-slots": str(self.node_slots)})
+        for w in self.workers:
+            queue = next((q for q in w["queues"].split(",") if q != "default"), None)
+            if queue is not None:
+                hosts.register(w["name"], queue=queue, family="cpu", devices=cpus, labels={"profile": "distributed"})
 
     def _command(self, component: str) -> tuple[list[str], dict[str, str]]:
         env = self.env()
@@ -260,6 +286,26 @@ class EmbeddedStack:
             self._pidfile(component).write_text(str(proc.pid))
             started.append(component)
         return started
+
+    def supervise(self, stop, *, interval: float = 5.0, on_restart=None) -> list[dict]:
+        """Keep every component running until ``stop`` (a ``threading.Event``) is set:
+        every ``interval`` seconds, start what is not running (a crashed or killed
+        component, as systemd's ``Restart=always`` would). Returns the restarts made,
+        ``{"time", "components"}`` each; ``on_restart(components)`` hears of each."""
+        restarts: list[dict] = []
+        while not stop.wait(interval):
+            try:
+                started = self.start()
+            except OSError as exc:  # e.g. a log folder removed under us: try again next round
+                started = []
+                print(f"supervisor: could not start components: {exc}", file=sys.stderr, flush=True)
+            if started:
+                restarts.append({"time": time.time(), "components": started})
+                with open(self.home / "logs" / "supervisor.log", "a") as log:
+                    log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} restarted {', '.join(started)}\n")
+                if on_restart is not None:
+                    on_restart(started)
+        return restarts
 
     def health(self) -> dict | None:
         try:

@@ -25,6 +25,26 @@ DAG_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}$"
 COMPLETE = "complete.json"
 GROW_ACK = "grow-ack.json"
 GROW_REQUEST_GLOB = "grow-request-*.json"
+# Preemption: a node task writes PREEMPT_REQUEST when the allocator orders the run stopped;
+# rank 0 answers with PREEMPTED (the step of the checkpoint the gang stopped at) once every
+# rank has stopped there. Both go when the run is admitted again.
+PREEMPT_REQUEST = "preempt-request.json"
+PREEMPTED = "preempted.json"
+
+
+def preempted(run_dir: str | Path) -> dict | None:
+    """The run's preemption record while it is preempted or asked to stop: ``PREEMPTED``'s
+    content once the gang stopped, else ``{"requested": ...}``; None otherwise."""
+    import json
+
+    control = Path(run_dir) / "control"
+    for name, key in ((PREEMPTED, None), (PREEMPT_REQUEST, "requested")):
+        try:
+            info = json.loads((control / name).read_text())
+        except (OSError, ValueError):
+            continue
+        return info if key is None else {key: info}
+    return None
 
 
 def completed(run_dir: str | Path) -> bool:

@@ -159,6 +159,14 @@ def test_maintenance_dag_applies_retention_on_the_stack(client, stack, finished_
     run_id, _ = finished_run
     run_dir = stack.trainflow_home / "runs" / "e2e" / DAG / run_id
     assert (run_dir / "nodes" / "released.json").exists() and client.runs(DAG)
+    # The cut stays AIRFLOW_MIN_AGE_S behind now (the live components' job rows must survive
+    # it): let the module's first run grow that old, so it is the cut's to take.
+    import time
+
+    from trainflow.retention import AIRFLOW_MIN_AGE_S
+
+    first = datetime.fromisoformat(client.run(DAG, run_id)["start_date"].replace("Z", "+00:00")).timestamp()
+    time.sleep(max(0.0, first + AIRFLOW_MIN_AGE_S + 5 - time.time()))
     client.wait_for_dag("trainflow_maintenance", timeout=120)
     client.unpause("trainflow_maintenance")
     m = client.trigger("trainflow_maintenance", {"workspace_days": 0, "airflow_days": 0},
@@ -170,6 +178,9 @@ def test_maintenance_dag_applies_retention_on_the_stack(client, stack, finished_
     assert out["policy"]["airflow_days"] == 0 and out["state"]["leases"] == 0
     before = datetime.fromisoformat(out["airflow_db_clean"]["before"])
     assert before < datetime.fromisoformat(run["start_date"].replace("Z", "+00:00"))
-    assert client.runs(DAG) == []  # every run of the module was manual and older: gone
+    # Every run of the module that started before the cut is gone.
+    left = client.runs(DAG)
+    assert run_id not in [r["dag_run_id"] for r in left]
+    assert all(datetime.fromisoformat(r["start_date"].replace("Z", "+00:00")) >= before for r in left), left
     assert client.run("trainflow_maintenance", m)["state"] == "success"  # itself kept
     assert client.health()["metadatabase"]["status"] == "healthy"

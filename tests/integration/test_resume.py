@@ -104,3 +104,52 @@ def test_tinylm_beats_the_unigram_baseline_twice(tmp_path):
     assert m["improvement_over_unigram"] >= 2.0, m
     assert m["bits_per_byte"] < m["unigram_bits_per_byte"] / 2
     assert result["target"]["met"]
+
+
+def test_preempted_gang_stops_at_a_checkpoint_and_resumes_bit_identical(tmp_path):
+    """The worker's side of a preemption: asked to stop (the node task's request file),
+    every rank commits a checkpoint of the same step, off the checkpoint interval, and the
+    workers exit cleanly without marking the run complete; relaunched, the gang resumes
+    from exactly that step and ends with a clean run's weights."""
+    import json
+
+    from trainflow.heartbeat import read_all
+    from trainflow.timeline import read
+    from trainflow.workspace import PREEMPT_REQUEST, PREEMPTED, completed, write_json_atomic
+
+    spec = TrainingSpec(workload="digits", steps=300, batch_size=16, checkpoint_interval=50, keep_last=2,
+                        seed=3, nodes=2, nproc_per_node=1, preemptible=True)
+    clean = tmp_path / "clean"
+    assert run_local(spec, clean) == [0, 0]
+    run_dir = tmp_path / "preempted"
+    plan = prepare(spec, run_dir)
+    procs = start_agents(plan, spec.nodes, log_dir=run_dir / "logs")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            beats = read_all(run_dir / "heartbeats")
+            if len(beats) == 2 and min(b["step"] for b in beats.values()) >= 13:
+                break
+            assert all(p.poll() is None for p in procs), "gang ended before the preemption"
+            time.sleep(0.02)
+        write_json_atomic(run_dir / "control" / PREEMPT_REQUEST, {"by": "t/hi/1", "reason": "test", "at": 0})
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+                p.wait()
+    stop = json.loads((run_dir / "control" / PREEMPTED).read_text())
+    step = stop["step"]
+    assert 20 <= step < spec.steps and step % 10 == 0 and stop["by"] == "t/hi/1"
+    assert manifest.newest_verified(run_dir / "checkpoints").step == step
+    assert not completed(run_dir)
+    states = {json.loads(p.read_text())["state"] for p in (run_dir / "nodes").glob("node-*.json")}
+    assert states == {"preempted"}
+    assert [e["step"] for e in read(run_dir) if e["event"] == "preempted"] == [step]
+    for name in (PREEMPT_REQUEST, PREEMPTED):  # what the node tasks do once admitted again
+        (run_dir / "control" / name).unlink()
+    assert run_local(spec, run_dir) == [0, 0]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("agent-*.log"))
+    assert f"resumed from verified checkpoint step {step}" in logs
+    assert evaluate(clean)["weights_sha256"] == evaluate(run_dir)["weights_sha256"]

@@ -165,7 +165,7 @@ def test_with_quotas_a_tenant_within_its_share_goes_before_an_earlier_borrower(a
     a5 = alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=10)
     b1 = alloc.request("b1", tenant="b", pool="cpu", nodes=1, ttl=60, now=11)
     assert isinstance(a5, Waiting) and isinstance(b1, Waiting)
-    assert "tenant 'b' is within its quota of 2" in b1.reason and "does not preempt" in b1.reason
+    assert "tenant 'b' is within its quota of 2" in b1.reason and "not preemptible" in b1.reason
     assert alloc.queue("cpu") == ["b1", "a5"]  # b is below its share: first
     alloc.release("a0")
     again = alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=12)  # asks first: still waits
@@ -180,7 +180,7 @@ def test_with_quotas_a_tenant_within_its_share_goes_before_an_earlier_borrower(a
     assert isinstance(alloc.request("a5", tenant="a", pool="cpu", nodes=1, ttl=60, now=15), Lease)
 
 
-def test_a_tenant_without_quota_borrows_idle_nodes_but_admission_never_preempts(alloc):
+def test_a_tenant_without_quota_borrows_idle_nodes_and_keeps_them_unless_preemptible(alloc):
     from trainflow.cluster.allocator import Lease, Waiting
 
     alloc.set_quota("cpu", "a", 4)
@@ -188,7 +188,7 @@ def test_a_tenant_without_quota_borrows_idle_nodes_but_admission_never_preempts(
     assert isinstance(c, Lease) and c.nodes == 3  # a's quota is idle: lent
     a = alloc.request("a1", tenant="a", pool="cpu", nodes=2, ttl=60, now=1)
     assert isinstance(a, Waiting)  # within its quota, but c's run keeps its nodes
-    assert "within its quota of 4" in a.reason and "admission does not preempt" in a.reason
+    assert "within its quota of 4" in a.reason and "not preemptible keep their nodes" in a.reason
     c2 = alloc.request("c2", tenant="c", pool="cpu", nodes=1, ttl=60, now=2)
     assert isinstance(c2, Waiting)  # a free node, but a run within its quota waits: no lending
     alloc.release("c1")
@@ -201,3 +201,113 @@ def test_quotas_are_checked(alloc):
             alloc.set_quota("cpu", "a", bad)
     with pytest.raises(SpecError, match="tenant"):
         alloc.set_quota("cpu", "Bad Name", 1)
+
+
+def test_a_higher_priority_run_preempts_a_preemptible_one_which_requeues_first_in_line(alloc):
+    """Priority preemption as admission applies it: only the preemptible run is marked; the
+    waiting run starts once the victim yields (not before); the victim goes back to the
+    queue with its first submission time, ahead of a later run of its priority, and is
+    granted again when the nodes free."""
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    def ask(key, nodes, now, priority=0, preemptible=False):
+        return alloc.request(key, tenant="t", pool="cpu", nodes=nodes, ttl=60, priority=priority,
+                             preemptible=preemptible, now=now)
+
+    assert isinstance(ask("low", 3, 0, preemptible=True), Lease)
+    assert isinstance(ask("keep", 1, 1), Lease)  # not preemptible
+    hi = ask("hi", 2, 2, priority=5)
+    assert isinstance(hi, Waiting) and "preempting 'low'" in hi.reason, hi
+    order = alloc.preemption("low")
+    assert order["by"] == "hi" and "priority 5 > 0" in order["reason"] and order["at"] == 2
+    assert alloc.preemption("keep") is None and alloc.preemption("hi") is None
+    assert isinstance(ask("later", 1, 3), Waiting)
+    assert isinstance(ask("hi", 2, 4, priority=5), Waiting)  # the victim still holds its nodes
+    assert alloc.yield_lease("low", nodes=3, now=5)
+    assert not alloc.yield_lease("low", nodes=3, now=5)  # a second node task of the run: no-op
+    assert alloc.preemption("low") is None
+    assert isinstance(ask("hi", 2, 6, priority=5), Lease)
+    assert alloc.queue("cpu") == ["low", "later"]  # first submitted at 0, before 'later' (3)
+    assert isinstance(ask("low", 3, 7, preemptible=True), Waiting)
+    alloc.release("hi")
+    again = ask("low", 3, 8, preemptible=True)
+    assert isinstance(again, Lease) and again.nodes == 3
+    # A run that yields without an order leaves its lease alone.
+    assert not alloc.yield_lease("low", nodes=3, now=9)
+    assert [l.run_key for l in alloc.leases(now=9)] == ["keep", "low"]
+
+
+def test_a_run_not_preemptible_is_never_preempted_by_priority(alloc):
+    from trainflow.cluster.allocator import Waiting
+
+    alloc.request("low", tenant="t", pool="cpu", nodes=4, ttl=60, now=0)
+    hi = alloc.request("hi", tenant="t", pool="cpu", nodes=2, ttl=60, priority=9, now=1)
+    assert isinstance(hi, Waiting) and "preempting" not in hi.reason
+    assert alloc.preemption("low") is None
+
+
+def test_with_quotas_borrowed_nodes_of_a_preemptible_run_are_reclaimed(alloc):
+    """Fair share reclaims on demand: tenant a borrows b's idle quota with preemptible runs;
+    b's run within its quota preempts a's youngest borrower, which requeues."""
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    alloc.set_quota("cpu", "a", 2)
+    alloc.set_quota("cpu", "b", 2)
+    for i in range(2):
+        assert isinstance(alloc.request(f"a{i}", tenant="a", pool="cpu", nodes=2, ttl=60,
+                                        preemptible=True, now=i), Lease)
+    b = alloc.request("b1", tenant="b", pool="cpu", nodes=2, ttl=60, now=5)
+    assert isinstance(b, Waiting) and "preempting 'a1'" in b.reason, b
+    assert "reclaimed for 'b1' of tenant 'b'" in alloc.preemption("a1")["reason"]
+    assert alloc.preemption("a0") is None  # a keeps its own quota
+    assert alloc.yield_lease("a1", nodes=2, now=6)
+    assert isinstance(alloc.request("b1", tenant="b", pool="cpu", nodes=2, ttl=60, now=7), Lease)
+    assert alloc.queue("cpu") == ["a1"]
+    alloc.release("a1")  # withdrawn: nothing of it is left
+    assert alloc.queue("cpu") == [] and alloc.preemption("a1") is None
+
+
+def test_a_backfilling_pool_starts_a_short_run_in_the_gap_before_the_head(alloc):
+    """EASY backfill in production admission: the 4-node head waits for the 3-node run
+    expected to end at 1000 s; a 1-node run expected to take 100 s starts at once (it ends
+    before the head's reservation), one without an estimate waits, and one that would run
+    past the reservation waits too (the head's nodes are all reserved). Under the default
+    policy the short run would wait behind the head."""
+    from trainflow.cluster.allocator import Lease, Waiting
+
+    with pytest.raises(SpecError, match="invalid policy.*priority, fifo, backfill"):
+        alloc.set_pool("cpu", 4, policy="sjf")
+    assert alloc.policy("cpu") == "priority"
+
+    def ask(key, nodes, now, estimate=None):
+        return alloc.request(key, tenant="t", pool="cpu", nodes=nodes, ttl=3600, estimate=estimate, now=now)
+
+    assert isinstance(ask("long", 3, 0, estimate=1000), Lease)
+    assert isinstance(ask("head", 4, 1, estimate=500), Waiting)
+    assert isinstance(ask("short", 1, 2, estimate=100), Waiting)  # priority: the head blocks it
+    alloc.set_pool("cpu", 4, policy="backfill")
+    assert alloc.policy("cpu") == "backfill"
+    assert isinstance(ask("unknown", 1, 3), Waiting)
+    assert isinstance(ask("too-long", 1, 4, estimate=5000), Waiting)
+    assert isinstance(ask("short", 1, 5, estimate=100), Lease)
+    assert alloc.queue("cpu") == ["head", "unknown", "too-long"]
+    alloc.set_pool("cpu", 4)  # resizing keeps the policy
+    assert alloc.policy("cpu") == "backfill"
+    alloc.set_quota("cpu", "t", 4)
+    assert alloc.policy("cpu") == "fairshare"
+
+
+def test_estimates_come_from_the_history_of_completed_runs(alloc):
+    assert alloc.estimate("d|digits|2", 100) is None
+    for i, seconds in enumerate((100.0, 140.0, 120.0)):
+        alloc.request(f"r{i}", tenant="t", pool="cpu", nodes=1, ttl=3600, now=1000 * i)
+        assert alloc.release(f"r{i}", completed=("d|digits|2", 200), now=1000 * i + seconds)
+    assert alloc.estimate("d|digits|2", 100) == pytest.approx(60.0)  # median 0.6 s per step
+    assert alloc.estimate("d|digits|4", 100) is None
+    alloc.release("never-held", completed=("d|digits|2", 200))  # no lease: no history
+    for i in range(30):  # only the newest are kept
+        alloc.request(f"x{i}", tenant="t", pool="cpu", nodes=1, ttl=3600, now=10_000 + i)
+        alloc.release(f"x{i}", completed=("s", 10), now=10_000 + i + 10)
+    from trainflow.retention import state_rows
+
+    assert state_rows(alloc.db)["run_history"] == 3 + 20

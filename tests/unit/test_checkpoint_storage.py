@@ -64,9 +64,10 @@ def test_write_file_returns_the_digest_of_what_is_on_disk(tmp_path):
     buffers = [dcp._as_bytes(torch.arange(n, dtype=dtype))
                for n, dtype in [(1000, torch.float32), (0, torch.float32), (7, torch.bfloat16), (3, torch.int64)]]
     buffers.append(memoryview(b"pickled bytes"))
-    size, sha = dcp._write_file(tmp_path / "f", buffers)
+    offsets, size, sha = dcp._write_file(tmp_path / "f", buffers)
     data = (tmp_path / "f").read_bytes()
-    assert size == len(data) == 4000 + 14 + 24 + 13
+    assert size == len(data) == 4000 + 14 + 24 + 13  # small buffers: packed, no padding
+    assert offsets == [0, 4000, 4000, 4014, 4038]
     assert sha == hashlib.sha256(data).hexdigest()
 
 
@@ -91,13 +92,39 @@ def test_direct_writes_keep_every_byte_and_the_digest(tmp_path, where):
     if not root.is_dir():
         pytest.skip(f"{where} missing")
     rng = np.random.default_rng(0)
-    for sizes in ([1], [4095, 1, (8 << 20) - 7, 3], [(8 << 20) * 2], []):
-        bufs = [memoryview(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
+    for sizes in ([1], [4095, 1, (8 << 20) - 7, 3], [(8 << 20) * 2], [], [70000, 5, 1 << 20, 65536, 9]):
+        # Slices at odd addresses too, so that heads, tails and gaps all occur.
+        bufs = [memoryview(rng.integers(0, 255, n + 9, dtype=np.uint8))[i % 9:i % 9 + n]
+                for i, n in enumerate(sizes)]
         path = root / f"tf-direct-{os.getpid()}.bin"
         try:
-            size, sha = dcp._write_file(path, bufs)
-            want = b"".join(bytes(b) for b in bufs)
-            assert size == len(want) and path.read_bytes() == want
-            assert sha == hashlib.sha256(want).hexdigest()
+            offsets, size, sha = dcp._write_file(path, bufs)
+            data = path.read_bytes()
+            assert size == len(data)
+            assert all(data[o:o + len(b)] == bytes(b) for o, b in zip(offsets, bufs))
+            assert offsets == sorted(offsets) and all(
+                o + len(b) <= nxt for o, b, nxt in zip(offsets, bufs, offsets[1:] + [size]))
+            assert size - sum(len(b) for b in bufs) <= 4095 * len(bufs)  # gaps under a block each
+            assert sha == hashlib.sha256(data).hexdigest()
         finally:
             path.unlink(missing_ok=True)
+
+
+def test_layout_writes_large_buffers_from_their_own_memory():
+    """A large buffer's aligned middle is one direct piece at an aligned file offset; its
+    head and tail, small buffers and the gaps go through the bounce buffer."""
+    import numpy as np
+
+    big = np.zeros((1 << 20) + 4096, dtype=np.uint8)
+    odd = memoryview(big)[100:100 + (1 << 20)]  # an address that is not block-aligned
+    small = memoryview(bytearray(1000))
+    offsets, pieces, size = dcp._layout([small, odd, memoryview(b"read-only bytes")])
+    direct = [(off, data) for off, data, is_direct in pieces if is_direct]
+    assert len(direct) == 1
+    off, data = direct[0]
+    assert off % dcp._ALIGN == 0 and len(data) % dcp._ALIGN == 0 and dcp._address(data) % dcp._ALIGN == 0
+    assert len(data) >= (1 << 20) - dcp._ALIGN
+    assert offsets[0] == 0 and offsets[1] >= 1000 and offsets[2] == offsets[1] + (1 << 20)
+    # The pieces tile the file with no gap and no overlap.
+    ends = [o + len(d) for o, d, _ in pieces]
+    assert [o for o, _, _ in pieces] == [0, *ends[:-1]] and ends[-1] == size

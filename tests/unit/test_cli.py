@@ -22,6 +22,21 @@ def test_chaos_refuses_unknown_ranks(tmp_path, capsys):
     assert "invalid rank=3: no heartbeat for this rank" in capsys.readouterr().err
 
 
+def test_pool_shows_resizes_and_sets_the_admission_policy(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINFLOW_STATE_DB", str(tmp_path / "state.db"))
+    monkeypatch.setenv("TRAINFLOW_EMBEDDED_NODES", "4")
+    assert main(["pool"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"pool": "embedded", "nodes": 4, "policy": "priority",
+                                                   "hosts": [], "quotas": {}, "leases": [], "queue": []}
+    assert main(["pool", "--policy", "backfill"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["nodes"], out["policy"]) == (4, "backfill")
+    assert main(["pool", "--pool", "gpu", "--nodes", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"] == 8
+    assert main(["pool", "--pool", "nope"]) == 2
+    assert "invalid pool='nope': unknown pool; known pools: embedded, gpu" in capsys.readouterr().err
+
+
 def test_quota_sets_lists_and_unsets_a_pools_shares(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRAINFLOW_STATE_DB", str(tmp_path / "state.db"))
     assert main(["quota", "--set", "vision=3"]) == 0

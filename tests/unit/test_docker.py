@@ -81,7 +81,8 @@ def test_compose_references_queues_files_and_pinned_images():
         if "build" in svc:
             assert (Path(svc["build"]["context"]) / svc["build"]["dockerfile"]).is_file(), name
         command = svc.get("command") or []
-        if command[:3] == ["airflow", "celery", "worker"]:
+        assert command[:3] != ["airflow", "celery", "worker"], f"{name}: workers register first (trainflow worker)"
+        if command[:2] == ["trainflow", "worker"]:
             queues |= set(command[command.index("--queues") + 1].split(","))
         for vol in svc.get("volumes", []):
             if vol.get("type") == "bind" and str(vol["source"]).startswith(str(REPO)):

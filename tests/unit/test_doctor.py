@@ -48,7 +48,7 @@ def test_doctor_on_a_healthy_ascend_host(tmp_path):
     assert "chip family : ascend (Huawei Ascend), detected by spec" in out
     assert "devices     : 8" in out and "[2] 910B4 0000:81:00.0 Health OK" in out
     assert "queue       : ascend-910b4" in out
-    assert "serve it    : airflow celery worker --queues ascend-910b4 --concurrency 1" in out
+    assert "serve it    : trainflow worker --queues ascend-910b4 --concurrency 1" in out
     assert "backend npu:hccl,cpu:gloo, extension torch_npu (pip torch-npu)" in out
     assert out.rstrip().endswith("verdict     : HEALTHY")
 
@@ -186,3 +186,25 @@ def test_gpu_check_skips_with_the_reason_where_there_is_no_gpu(tmp_path):
     assert done.returncode == 77, done.stderr
     assert "gpu_check: skipped, no healthy NVIDIA GPU here: 'nvidia-smi' not found" in done.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_worker_registers_the_host_in_its_pool_with_labels_then_runs_celery(tmp_path):
+    """`trainflow worker` (what the images and compose run): the doctor's registration
+    with a pool and labels, then the Celery worker command for the queues."""
+    _fake_cli(tmp_path / "bin", "hy-smi", "hy-smi.txt")
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "TRAINFLOW_HOME": str(tmp_path / "home"),
+           "TRAINFLOW_HOST": "host-b"}
+    done = subprocess.run([sys.executable, "-m", "trainflow.cli", "worker", "--queues", "default,hygon-dcu",
+                           "--pool", "dcu", "--label", "rack=r7", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, command = done.stdout.strip().splitlines()
+    assert json.loads(first) == {"queue": "hygon-dcu", "devices": 4, "healthy": True, "registered": "host-b",
+                                 "pool": "dcu", "labels": {"rack": "r7"}}
+    assert command.endswith("airflow celery worker --queues default,hygon-dcu --concurrency 1")
+    (row,) = HostRegistry(tmp_path / "home" / "state.db").inventory(pool="dcu")
+    assert (row["host"], row["queue"], row["devices"], row["labels"], row["cordoned"]) == \
+        ("host-b", "hygon-dcu", 4, {"rack": "r7"}, None)
+    bad = subprocess.run([sys.executable, "-m", "trainflow.cli", "doctor", "--register", "--label", "rack"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "invalid --label='rack': name=value" in bad.stderr

@@ -172,3 +172,51 @@ def test_a_restarted_watch_opens_its_startup_window_again(tmp_path):
     # With no budget the first stall fails the watch: not before the fresh startup window
     # (2 s) passed — without it, at the first poll.
     assert payload["verdict"] == "stalled" and at - t0 >= 2, (payload, at - t0)
+
+
+def test_replacement_requests_a_node_task_never_takes_still_count_against_the_budget(tmp_path):
+    """A node whose task is gone for good never takes its replacement request; asking again
+    must still use up the watch's budget (it used to overwrite the request: the watch asked
+    for ever and the run never ended)."""
+    from trainflow.heartbeat import Classification, HeartbeatWriter, RankState, Verdict
+    from trainflow.remediation import remediations, request_node_restart
+
+    (tmp_path / "heartbeats").mkdir()
+    HeartbeatWriter(tmp_path / "heartbeats", rank=1, node=0, interval=1.0, world=2).beat(
+        step=5, total=10, state=RankState.TRAINING, force=True)
+    stalled = Classification(Verdict.STALLED, "rank 1 stalled", ranks=(1,), steps={1: 5})
+    for i in range(3):
+        assert request_node_restart(tmp_path, stalled, now=100.0 + i) == [0]
+        assert remediations(tmp_path) == i + 1
+    assert len(list((tmp_path / "control").glob("restart-node-0000.json.unanswered-*"))) == 2
+
+
+def test_a_rank_whose_node_task_restarted_since_its_last_progress_gets_the_startup_window(tmp_path):
+    # Rank 1's node task was killed at t=100 (its last beat stays "training" at step 199) and
+    # Airflow's retry started the node's agent again at t=112; its workers start cold.
+    beats = {0: {**beat(0, 0, "starting", progress=104), "node": 1},
+             1: {**beat(1, 199, progress=100), "node": 0}}
+    node_started = {0: 112.0, 1: 50.0}
+    assert classify(beats, now=121, world_size=2, started_at=90, policy=POLICY).verdict == Verdict.STALLED
+    c = classify(beats, now=121, world_size=2, started_at=90, policy=POLICY, node_started=node_started)
+    assert c.verdict == Verdict.HEALTHY, c.message
+    # ... but not for ever: the startup window counts from the node's start.
+    c = classify(beats, now=173, world_size=2, started_at=90, policy=POLICY, node_started=node_started)
+    assert c.verdict == Verdict.STALLED and 1 in c.ranks
+    # A node start older than the rank's progress changes nothing (it is the running try).
+    c = classify(beats, now=121, world_size=2, started_at=90, policy=POLICY, node_started={0: 95.0, 1: 50.0})
+    assert c.verdict == Verdict.STALLED and c.ranks == (1,)
+
+
+def test_node_starts_reads_each_nodes_current_agent(tmp_path):
+    from trainflow.heartbeat import node_starts
+    from trainflow.workspace import write_json_atomic
+
+    assert node_starts(tmp_path) == {}
+    (tmp_path / "nodes").mkdir()
+    write_json_atomic(tmp_path / "nodes" / "node-0000.json", {"node": 0, "state": "running", "pid": 1,
+                                                              "started": 12.5})
+    write_json_atomic(tmp_path / "nodes" / "node-0001.json", {"node": 1, "state": "running"})  # no start
+    (tmp_path / "nodes" / "node-0002.json").write_text("{not json")
+    write_json_atomic(tmp_path / "nodes" / "task-0000.json", {"host": "vm", "try": 2})
+    assert node_starts(tmp_path) == {0: 12.5}

@@ -155,3 +155,52 @@ def test_preflight_sizes_the_disk_check_from_the_newest_manifest(tmp_path, regis
     checks = preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
     disk = next(c for c in checks if c.name == "free_disk")
     assert disk.ok and f"{2 * ref.bytes / 2**20:.0f} MiB needed" in disk.detail
+
+
+def test_inventory_pools_size_the_pool_and_cordons_shrink_it(state_target):
+    """A pool with no set size has as many nodes as registered hosts not cordoned; labels
+    and the chip model are recorded; a set size wins."""
+    from trainflow.cluster.allocator import Allocator, Lease, Waiting
+    from trainflow.errors import SpecError
+
+    hosts, alloc = HostRegistry(state_target), Allocator(state_target)
+    for i, rack in enumerate(("r1", "r1", "r2")):
+        hosts.register(f"gpu-{i}", queue="nvidia-h100", family="nvidia", devices=8, pool="h100",
+                       model="h100", labels={"rack": rack}, now=100)
+    hosts.register("cpu-0", queue="cpu", family="cpu", devices=2, now=100)
+    assert alloc.pools() == {"cpu": 1, "h100": 3}
+    rows = hosts.inventory(pool="h100")
+    assert [(r["host"], r["labels"]["rack"], r["model"], r["devices"]) for r in rows] == [
+        ("gpu-0", "r1", "h100", 8), ("gpu-1", "r1", "h100", 8), ("gpu-2", "r2", "h100", 8)]
+    hosts.cordon("gpu-1", reason="ECC errors")
+    assert alloc.capacity("h100") == 2 and hosts.inventory(pool="h100")[1]["cordoned"] == "ECC errors"
+    assert isinstance(alloc.request("r1", tenant="t", pool="h100", nodes=2, ttl=60, now=1), Lease)
+    assert isinstance(alloc.request("r2", tenant="t", pool="h100", nodes=1, ttl=60, now=2), Waiting)
+    with pytest.raises(SpecError, match="pool 'h100' has only 2 nodes in total"):
+        alloc.request("r3", tenant="t", pool="h100", nodes=3, ttl=60, now=3)
+    hosts.uncordon("gpu-1")
+    assert isinstance(alloc.request("r2", tenant="t", pool="h100", nodes=1, ttl=60, now=4), Lease)
+    alloc.set_pool("h100", 16)  # an operator's size wins
+    assert alloc.capacity("h100") == 16
+    assert hosts.deregister("cpu-0") and not hosts.deregister("cpu-0")
+    with pytest.raises(SpecError, match="unknown pool; known pools: h100"):
+        alloc.capacity("cpu")
+    with pytest.raises(SpecError, match="invalid label"):
+        hosts.register("x", queue="cpu", family="cpu", devices=1, labels={"bad key!": "v"})
+
+
+def test_an_inventory_table_from_an_older_release_gains_the_new_columns(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "state.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE inventory (host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, "
+                "devices INTEGER NOT NULL, time REAL NOT NULL)")
+    con.execute("INSERT INTO inventory VALUES ('old-host', 'cpu', 'cpu', 2, 1.0)")
+    con.commit()
+    con.close()
+    hosts = HostRegistry(db)
+    (row,) = hosts.inventory()
+    assert (row["host"], row["pool"], row["labels"], row["model"]) == ("old-host", "cpu", {}, "")
+    hosts.register("new-host", queue="cpu", family="cpu", devices=2, labels={"rack": "r1"})
+    assert [(r["host"], r["labels"]) for r in HostRegistry(db).inventory()] == [("new-host", {"rack": "r1"}), ("old-host", {})]

@@ -131,6 +131,11 @@ def test_stale_rows_go_live_ones_stay(state_target):
 
     alloc, hosts = Allocator(state_target), HostRegistry(state_target)
     alloc.set_pool("p", 4)
+    # A wait nobody renews (its requester is gone) leaves its estimate behind; a live wait
+    # and a live preemptible lease keep theirs.
+    alloc.request("t/d/pre", tenant="t", pool="p", nodes=1, ttl=3600, preemptible=True, estimate=10, now=NOW - 700)
+    alloc.request("t/d/gone", tenant="t", pool="p", nodes=4, ttl=60, estimate=99, now=NOW - 600)
+    alloc.request("t/d/waits", tenant="t", pool="p", nodes=4, ttl=60, estimate=50, now=NOW - 5)
     alloc.admit("t/d/live", tenant="t", pool="p", nodes=1, ttl=3600, now=NOW)
     alloc.admit("t/d/dead", tenant="t", pool="p", nodes=1, ttl=60, now=NOW - 7200)
     alloc.lose_node("t/d/live", until=NOW - 1, reason="host gone")
@@ -139,9 +144,11 @@ def test_stale_rows_go_live_ones_stay(state_target):
     hosts.record_failure("h1", reason="new", run_key="t/d/y", node=0, policy=policy, now=NOW - 60)
     assert ret.state_rows(state_target)["host_failures"] == 2
     out = ret.prune_state(state_target, ret.Retention(), now=NOW)
-    assert out == {"leases": 1, "offline": 1, "host_failures": 1}
+    assert out == {"leases": 1, "offline": 1, "waiting": 0, "estimates": 1, "preemptible": 0,
+                   "preemptions": 0, "host_failures": 1}
     rows = ret.state_rows(state_target)
-    assert (rows["leases"], rows["offline"], rows["host_failures"], rows["pools"]) == (1, 0, 1, 1)
+    assert (rows["leases"], rows["offline"], rows["host_failures"], rows["pools"]) == (2, 0, 1, 1)
+    assert (rows["estimates"], rows["preemptible"], rows["waiting"]) == (2, 1, 1)
 
 
 def test_db_clean_argv_cuts_at_the_bound():
@@ -178,16 +185,24 @@ def test_runs_in_flight_bound_the_metadata_cut(tmp_path):
 
     db = tmp_path / "airflow.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP)")
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, "
+                "end_date TIMESTAMP)")
     url = f"sqlite:///{db}"
     assert ret.running_since(url) is None
-    started = datetime.fromtimestamp(NOW - 40 * DAY, tz=timezone.utc)
-    con.executemany("INSERT INTO dag_run (state, start_date) VALUES (?, ?)", [
-        ("running", started.replace(tzinfo=None).isoformat(sep=" ")),
-        ("success", datetime.fromtimestamp(NOW - 90 * DAY, tz=timezone.utc).replace(tzinfo=None).isoformat(sep=" ")),
-        ("queued", None)])
+
+    def at(days):
+        return datetime.fromtimestamp(NOW - days * DAY, tz=timezone.utc).replace(tzinfo=None).isoformat(sep=" ")
+
+    con.executemany("INSERT INTO dag_run (state, start_date, end_date) VALUES (?, ?, ?)", [
+        ("running", at(40), None), ("success", at(90), at(89)), ("queued", None, None)])
     con.commit()
     assert ret.running_since(url) == NOW - 40 * DAY  # the finished older run does not count
+    assert ret.running_since(url, ended_after=NOW - 30 * DAY) == NOW - 40 * DAY
+    # A run that started long ago but ended within the bound is kept for the bound after it ended.
+    con.execute("INSERT INTO dag_run (state, start_date, end_date) VALUES (?, ?, ?)", ("failed", at(50), at(10)))
+    con.commit()
+    assert ret.running_since(url, ended_after=NOW - 30 * DAY) == NOW - 50 * DAY
+    assert ret.running_since(url) == NOW - 40 * DAY
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=ret.running_since(url) - 1)
     cut = datetime.fromisoformat(argv[argv.index("--clean-before-timestamp") + 1]).timestamp()
     assert cut == NOW - 40 * DAY - 1  # the 40-day run keeps its rows
@@ -204,7 +219,8 @@ def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
 
     db = tmp_path / "airflow.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP)")
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, "
+                "end_date TIMESTAMP)")
     started = datetime.fromtimestamp(NOW - 40 * DAY, tz=timezone.utc)
     con.execute("INSERT INTO dag_run (state, start_date) VALUES ('running', ?)",
                 (started.replace(tzinfo=None).isoformat(sep=" "),))
@@ -221,3 +237,11 @@ def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
     done = ret.clean_airflow_db(ret.Retention(airflow_days=30), url, airflow=str(fake), now=NOW,
                                 keep_after=NOW - 50 * DAY)
     assert done["before"] == datetime.fromtimestamp(NOW - 50 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def test_the_metadata_cut_never_comes_closer_to_now_than_the_minimum_age():
+    """A zero-day bound must not cut the live components' `job` rows (by last heartbeat):
+    a scheduler whose row is gone crashes on its next heartbeat."""
+    argv = ret.db_clean_argv(ret.Retention(airflow_days=0), now=NOW)
+    cut = datetime.fromisoformat(argv[argv.index("--clean-before-timestamp") + 1]).timestamp()
+    assert cut == NOW - ret.AIRFLOW_MIN_AGE_S

@@ -15,7 +15,10 @@ DCP's planning, metadata and file layout are kept; the storage layer is ours
   while the first waits in ``fsync``, and DCP's gather of write results brings every
   digest to rank 0: the manifest commit no longer reads the checkpoint back (twice).
 - Data files are written with ``O_DIRECT`` where the filesystem allows it (no page cache
-  growth, no kernel copy: ``_write_direct``).
+  growth, no kernel copy: ``_write_direct``), large tensors straight from their own
+  memory (``_layout`` places them so that their aligned middle can be).
+- Saves plan locally and exchange one gather and one broadcast (``_save``) where
+  ``dcp.save`` runs four collectives.
 - Replicated tensors are split between ranks before staging (``_share``): DCP would
   write each once anyway, but only after every rank had copied all of them.
 - Loads skip DCP's plan exchange and sync saves delete old checkpoints in the
@@ -105,14 +108,18 @@ def _as_bytes(tensor: "torch.Tensor") -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
-    """Write ``buffers`` to ``path`` and fsync it; return the file's size and SHA-256.
+def _write_file(path: Path, buffers: list[memoryview]) -> tuple[list[int], int, str]:
+    """Write ``buffers`` to ``path`` and fsync it; return where each buffer starts in the
+    file, the file's size and its SHA-256.
 
-    A second thread hashes the same buffers while this one writes and then waits in
+    The file holds the buffers in order, each where ``_layout`` puts it (a large one may
+    follow up to 4 KiB of zeros, so that its memory can go to the disk without a copy). A
+    second thread hashes the same bytes while this one writes and then waits in
     ``fsync``, so the digest costs no extra pass over the file and overlaps the flush.
     The bytes go to the disk with ``O_DIRECT`` where the filesystem allows it
     (``_write_direct``), else through the page cache.
     """
+    offsets, pieces, size = _layout(buffers)
     h = hashlib.sha256()
     pending: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -123,33 +130,82 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[int, str]:
     hasher = threading.Thread(target=digest, name="trainflow-ckpt-sha256")
     hasher.start()
     try:
-        for buf in buffers:
-            pending.put(buf)
-        size = _write_direct(path, buffers)
-        if size is None:
-            size = _write_buffered(path, buffers)
+        for _, data, _ in pieces:
+            pending.put(data)
+        if not _write_direct(path, pieces, size):
+            _write_buffered(path, pieces)
     finally:
         pending.put(None)
         hasher.join()
-    return size, h.hexdigest()
+    return offsets, size, h.hexdigest()
 
 
-def _write_buffered(path: Path, buffers: list[memoryview]) -> int:
-    with open(path, "wb", buffering=0) as fh:
-        for buf in buffers:
-            _write_all(fh.fileno(), buf)
-        os.fsync(fh.fileno())
-    return sum(len(buf) for buf in buffers)
-
-
-_ALIGN = 4096
+_ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses (512 on most disks; 4096 on all)
+_DIRECT_MIN = 1 << 16  # smaller buffers are copied: their padding and extra write would cost more
 _BOUNCE_BYTES = 8 << 20
+_ZEROS = memoryview(bytes(_ALIGN))
 _bounce = threading.local()
 
 
-def _write_direct(path: Path, buffers: list[memoryview]) -> int | None:
-    """Write ``buffers`` to ``path`` with ``O_DIRECT`` through a reused, page-aligned 8 MiB
-    buffer, then trim the padding of the last block and fsync; None where the platform or
+def _address(view: memoryview) -> int | None:
+    """Where ``view``'s bytes start in memory; None for a read-only buffer."""
+    import ctypes
+
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
+
+
+def _layout(buffers: list[memoryview]) -> tuple[list[int], list[tuple[int, memoryview, bool]], int]:
+    """Place ``buffers`` one after another in a file: (each buffer's offset, the pieces to
+    write in file order as ``(offset, bytes, direct)``, the file's size).
+
+    ``O_DIRECT`` needs the memory address, the file offset and the length of a write
+    aligned to the disk's block. A buffer of at least ``_DIRECT_MIN`` bytes is placed at
+    an offset congruent to its address modulo ``_ALIGN`` (zeros fill the gap before it),
+    so that its aligned middle is one ``direct`` piece, written from the buffer's own
+    memory; its unaligned head and tail, small buffers and the gaps are copied into the
+    bounce buffer. The copy this avoids ran at ~1.7 GB/s here, slower than the disk.
+    """
+    offsets: list[int] = []
+    pieces: list[tuple[int, memoryview, bool]] = []
+    pos = 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        n = len(view)
+        addr = _address(view) if n >= _DIRECT_MIN else None
+        if addr is None:
+            start = pos
+            if n:
+                pieces.append((start, view, False))
+        else:
+            start = pos + (addr - pos) % _ALIGN
+            head = -addr % _ALIGN
+            body = (n - head) // _ALIGN * _ALIGN
+            if start > pos:
+                pieces.append((pos, _ZEROS[:start - pos], False))
+            if head:
+                pieces.append((start, view[:head], False))
+            pieces.append((start + head, view[head:head + body], True))
+            if head + body < n:
+                pieces.append((start + head + body, view[head + body:], False))
+        offsets.append(start)
+        pos = start + n
+    return offsets, pieces, pos
+
+
+def _write_buffered(path: Path, pieces: list[tuple[int, memoryview, bool]]) -> None:
+    with open(path, "wb", buffering=0) as fh:
+        for _, data, _ in pieces:
+            _write_all(fh.fileno(), data)
+        os.fsync(fh.fileno())
+
+
+def _write_direct(path: Path, pieces: list[tuple[int, memoryview, bool]], size: int) -> bool:
+    """Write ``pieces`` (from ``_layout``) to ``path`` with ``O_DIRECT``: ``direct`` ones
+    from their own memory, the others gathered in a reused, page-aligned 8 MiB buffer;
+    then trim the padding of the last block and fsync. False where the platform or
     filesystem does not take ``O_DIRECT`` (tmpfs: EINVAL), for a buffered write instead.
 
     Why: a checkpoint is written once and read only at a resume, yet a buffered write
@@ -163,42 +219,46 @@ def _write_direct(path: Path, buffers: list[memoryview]) -> int | None:
 
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
-        return None
+        return False
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            return None
+            return False
         raise
     bounce = getattr(_bounce, "buf", None)
     if bounce is None:
         bounce = _bounce.buf = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # page-aligned
-    size = filled = 0
+    filled = 0  # bytes gathered in the bounce buffer, which continue the file where it ends
     try:
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
+        for _, data, direct in pieces:
+            if direct:  # starts at an aligned offset, so the gathered bytes are whole blocks
+                if filled:
+                    _write_all(fd, bounce[:filled])
+                    filled = 0
+                _write_all(fd, data)
+                continue
             pos = 0
-            while pos < len(view):
-                k = min(len(bounce) - filled, len(view) - pos)
-                bounce[filled:filled + k] = view[pos:pos + k]
+            while pos < len(data):
+                k = min(len(bounce) - filled, len(data) - pos)
+                bounce[filled:filled + k] = data[pos:pos + k]
                 filled, pos = filled + k, pos + k
                 if filled == len(bounce):
                     _write_all(fd, bounce)
                     filled = 0
-            size += len(view)
         if filled:
             padded = -(-filled // _ALIGN) * _ALIGN
-            bounce[filled:padded] = bytes(padded - filled)
+            bounce[filled:padded] = _ZEROS[:padded - filled]
             _write_all(fd, bounce[:padded])
-            os.ftruncate(fd, size)
+        os.ftruncate(fd, size)
         os.fsync(fd)
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # a filesystem that opens with O_DIRECT but will not write so
-            return None
+            return False
         raise
     finally:
         os.close(fd)
-    return size
+    return True
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -235,15 +295,16 @@ def _writer(path: Path):
 
         def write_data(self, plan, planner):
             name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-            results, buffers, offset = _Written(), [], 0
+            buffers = []
             for item in plan.items:
                 data = planner.resolve_data(item)
-                buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else _as_bytes(data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(buf),
-                                           storage_data=_StorageInfo(name, offset, len(buf), [_RAW])))
-                buffers.append(buf)
-                offset += len(buf)
-            results.digests = {name: _write_file(Path(self.path) / name, buffers)}
+                buffers.append(data.getbuffer() if item.type == WriteItemType.BYTE_IO else _as_bytes(data))
+            offsets, size, sha = _write_file(Path(self.path) / name, buffers)
+            results = _Written(
+                WriteResult(index=item.index, size_in_bytes=len(buf),
+                            storage_data=_StorageInfo(name, offset, len(buf), [_RAW]))
+                for item, buf, offset in zip(plan.items, buffers, offsets))
+            results.digests = {name: (size, sha)}
             fut: Future = Future()
             fut.set_result(results)
             return fut
@@ -254,6 +315,61 @@ def _writer(path: Path):
             super().finish(metadata, results)
 
     return _Writer(path)
+
+
+def _save(state: dict, writer, group=None) -> None:
+    """Collective: ``dcp.save(state, storage_writer=writer, process_group=group)`` with
+    one gather and one broadcast where DCP runs four collectives.
+
+    DCP gathers every rank's plan to rank 0, which deduplicates replicated items and
+    hands each rank its file prefix back (scatter); after the writes it gathers the
+    results, writes ``.metadata`` and broadcasts it. Here each rank writes its own plan
+    at once under the prefix DCP would give it (``__<rank>_``): ``_share`` has already
+    dealt every replicated tensor to one rank. Rank 0 then builds the global plan and the
+    metadata from the gathered local plans exactly as DCP does (its deduplication only
+    drops the copies of small non-tensor values, such as ``param_groups``, that every
+    rank wrote) and writes ``.metadata``. Measured with bench/checkpoint.py: DCP's
+    exchange cost 30–40 ms per save here, a quarter of a 290 MB save.
+
+    Raises:
+        CheckpointException: on every rank if any rank failed, as ``dcp.save`` does.
+    """
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    planner = DefaultSavePlanner()
+    error: BaseException | None = None
+    try:
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+        plan = planner.finish_plan(dataclasses.replace(local, storage_data=_StoragePrefix(f"__{rank}_")))
+        mine = (local, writer.write_data(plan, planner).value())
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it below
+        error, mine = exc, "".join(traceback.format_exception_only(exc)).strip()
+    everyone = [None] * world if rank == 0 else None
+    dist.gather_object(mine, everyone, group=group, group_dst=0)
+    failures = [None]
+    if rank == 0:
+        failed = {r: got for r, got in enumerate(everyone) if isinstance(got, str)}
+        if not failed:
+            try:
+                _, metadata = planner.create_global_plan([got[0] for got in everyone])
+                writer.finish(metadata=metadata, results=[got[1] for got in everyone])
+            except BaseException as exc:  # noqa: BLE001 - every rank learns of it below
+                error, failed = exc, {0: "".join(traceback.format_exception_only(exc)).strip()}
+        failures = [failed or None]
+    dist.broadcast_object_list(failures, group=group, group_src=0)
+    if failures[0]:
+        raise CheckpointException("checkpoint save failed", {
+            r: (error, traceback.extract_tb(error.__traceback__)) if r == rank and error is not None
+            else (RuntimeError(f"rank {r}: {text}"), traceback.StackSummary())
+            for r, text in failures[0].items()})
 
 
 # What a DCP ``.metadata`` pickle may name: DCP's own metadata classes, torch.Size, dtypes
@@ -443,12 +559,11 @@ def save(model, optimizer, *, root: Path, step: int, world_size: int, training_h
     """
     global _pruning
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank()
     partial = _prepare(root, step)
     writer = _writer(partial)
-    dcp.save(_share(_state(model, optimizer), model, rank, dist.get_world_size()), storage_writer=writer)
+    _save(_share(_state(model, optimizer), model, rank, dist.get_world_size()), writer)
     ref = None
     try:
         if rank == 0:
@@ -600,11 +715,9 @@ class AsyncCheckpointer:
 
     def _write(self, staged: dict, step: int, extra: dict | None) -> None:
         """Background: write ``staged`` as checkpoint ``step``; rank 0 commits and prunes."""
-        import torch.distributed.checkpoint as dcp
-
         try:
             writer = _writer(_prepare(self.root, step, self.group))
-            dcp.save(staged, storage_writer=writer, process_group=self.group)
+            _save(staged, writer, self.group)
             if self.rank == 0:
                 ref = manifest.commit(self.root, step, world_size=self.world_size,
                                       training_hash=self.training_hash, extra=extra,

@@ -62,9 +62,10 @@ def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float =
 
 
 def worker_command(queues: list[str], *, concurrency: int = 1) -> str:
-    """The Celery worker command serving ``queues`` (one node task at a time per host:
-    a node task owns the host's chips)."""
-    return (f"airflow celery worker --queues {','.join(queues)} --concurrency {concurrency}")
+    """The command that registers this host and runs its Celery worker for ``queues`` (one
+    node task at a time per host: a node task owns the host's chips); ``trainflow worker``
+    execs ``airflow celery worker --queues … --concurrency …`` after registering."""
+    return (f"trainflow worker --queues {','.join(queues)} --concurrency {concurrency}")
 
 
 def examine(*, explicit: str | None = None, queue: str | None = None, model: str | None = None,

@@ -31,47 +31,92 @@ CREATE TABLE IF NOT EXISTS waiting (
     run_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, pool TEXT NOT NULL, nodes INTEGER NOT NULL,
     up_to INTEGER NOT NULL, priority INTEGER NOT NULL, submitted REAL NOT NULL, seen REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS preemptible (
+    run_key TEXT PRIMARY KEY, priority INTEGER NOT NULL, submitted REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pool_policies (pool TEXT PRIMARY KEY, policy TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS estimates (run_key TEXT PRIMARY KEY, seconds REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS run_history (
+    scope TEXT NOT NULL, steps INTEGER NOT NULL, seconds REAL NOT NULL, ended REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS run_history_scope ON run_history (scope, ended);
+CREATE TABLE IF NOT EXISTS preemptions (
+    run_key TEXT PRIMARY KEY, pool TEXT NOT NULL, by_key TEXT NOT NULL, at REAL NOT NULL,
+    reason TEXT NOT NULL
+);
 """
+# The hosts' tables (``trainflow.cluster.hosts``), which the allocator reads too: a pool with
+# no size of its own (``set_pool``) has as many nodes as it has registered hosts that are not
+# cordoned.
+HOST_TABLES = """
+CREATE TABLE IF NOT EXISTS cordons (host TEXT PRIMARY KEY, since REAL NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inventory (
+    host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, devices INTEGER NOT NULL,
+    time REAL NOT NULL, pool TEXT NOT NULL DEFAULT '', model TEXT NOT NULL DEFAULT '',
+    labels TEXT NOT NULL DEFAULT '{}'
+);
+"""
+# Columns added to a table after its first release: (table, column, declaration).
+ADDED_COLUMNS = (("inventory", "pool", "TEXT NOT NULL DEFAULT ''"),
+                 ("inventory", "model", "TEXT NOT NULL DEFAULT ''"),
+                 ("inventory", "labels", "TEXT NOT NULL DEFAULT '{}'"))
 # A waiting request its requester stopped renewing for this long is dropped (the requester
 # is gone: a deferred provision renews every few seconds; release withdraws it at once).
 STALE_WAIT_S = 120.0
+# Policies a pool without quotas can be set to (a pool with quotas admits by fair share).
+POOL_POLICIES = ("priority", "fifo", "backfill")
+# Completed runs kept per history scope, and how many of the newest an estimate uses.
+HISTORY_KEEP, HISTORY_USE = 20, 5
 
 
-def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas: dict[str, int] | None = None):
+def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas: dict[str, int] | None = None,
+                preemptible: dict[str, tuple[int, float]] | None = None, policy: str = "priority",
+                estimates: dict[str, float] | None = None):
     """Which waiting runs start now, by ``trainflow.sched.decide`` over the pool's nodes (a
     node is a 1-chip node of the model; leases and offline nodes occupy the first nodes).
 
-    Without quotas the policy is ``priority``; with quotas (nodes per tenant) it is
-    ``fairshare``: requests within their tenant's quota first, least-served tenant first,
-    idle quota lent to the others. Admission does not preempt: a start that would need a
-    running run reclaimed (``Start.after``) waits instead, and so does every start behind
-    it that the free nodes cannot hold without it.
+    Without quotas the policy is the pool's (``priority`` unless set to ``fifo`` or
+    ``backfill``: EASY backfill over ``estimates``, run key → expected seconds from
+    admission to release; a running run past its estimate is expected to end in a second);
+    with quotas (nodes per tenant) it is ``fairshare``: requests within their tenant's quota
+    first, least-served tenant first, idle quota lent to the others. Only runs in ``preemptible`` (run key → its priority and
+    first submission) can be preempted, by a higher priority or by a quota reclaim; every
+    other run keeps its nodes until it ends. A start that needs runs preempted
+    (``Start.after``) waits until they have checkpointed and given their nodes back, and so
+    does every start behind it that the free nodes cannot hold without them.
 
     Returns:
         ``({run_key: nodes}`` of the runs that start, ``{run_key: (position, reason)}`` of
-        the others).
+        the others, ``{victim run_key: (preemptor run_key, reason)}`` of the runs to preempt).
     """
     from trainflow.sched import model
     from trainflow.sched.policy import decide
 
     running, used = [], 0
-    unpreemptible = 10**9  # admission does not preempt (yet): what runs outranks every request
+    preemptible, estimates = preemptible or {}, estimates or {}
+    unpreemptible = 10**9  # a run that cannot be preempted outranks every request
     for key, tenant, held, granted in leases:
         if held:
-            req = model.Request(id=key, nodes=held, chips_per_node=1, tenant=tenant, priority=unpreemptible,
-                                submitted=granted)
+            prio, submitted = preemptible.get(key, (unpreemptible, granted))
+            est = estimates.get(key)
+            req = model.Request(id=key, nodes=held, chips_per_node=1, tenant=tenant, priority=prio,
+                                submitted=submitted, preemptible=key in preemptible,
+                                estimate=None if est is None else max(est, now - granted + 1.0))
             running.append(model.Running(request=req, placement=tuple(range(used, used + held)), started=granted))
         used += held
     if offline:
         req = model.Request(id="\x00offline", nodes=offline, chips_per_node=1, priority=unpreemptible,
-                            submitted=now)
+                            submitted=now, preemptible=False)
         running.append(model.Running(request=req, placement=tuple(range(used, used + offline)), started=now))
-    queue = [model.Request(id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub)
+    queue = [model.Request(id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub,
+                           estimate=estimates.get(key))
              for key, tenant, n, prio, sub in waiting]
-    policy = "fairshare" if quotas else "priority"
+    policy = "fairshare" if quotas else policy
     decision = decide(policy, pool=model.Pool.uniform(capacity, chips=1), running=running,
                       waiting=queue, now=now, quotas=quotas or None)
     free = capacity - offline - used
+    victims = {p.running.request.id: p.reason for p in decision.preempt}
+    preempt: dict[str, tuple[str, str]] = {}
     start, held_back, left = {}, [], free
     usage: dict[str, int] = {}
     for _, tenant, held, _ in leases:
@@ -83,29 +128,42 @@ def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas
         # borrows while a run within its quota waits for nodes (lending stops then).
         if s.after or r.nodes > left or (borrows and held_back):
             held_back.append(r)
+            for v in s.after:
+                preempt.setdefault(v, (r.id, victims[v]))
             continue
         start[r.id] = r.nodes
         usage[r.tenant] = usage.get(r.tenant, 0) + r.nodes
         left -= r.nodes
     why = {}
+    after = {s.request.id: s.after for s in decision.start}
     # Positions are 1-based and count every run ahead: those that start now (they are
     # granted when they next ask), then those held back, then the policy's queue.
     for i, r in enumerate(held_back, start=len(start)):
         within = bool(quotas) and usage.get(r.tenant, 0) + r.nodes <= quotas.get(r.tenant, 0)
-        why[r.id] = (i + 1, f"needs {r.nodes} node{'s' * (r.nodes != 1)}, {max(left, 0)} of {capacity} free: "
-                            + (f"tenant {r.tenant!r} is within its quota of {quotas.get(r.tenant, 0)}; nodes lent "
-                               f"to tenants over theirs return when their runs end (admission does not preempt)"
-                               if within else "a run within its tenant's quota waits first (no lending meanwhile)"))
+        need = f"needs {r.nodes} node{'s' * (r.nodes != 1)}, {max(left, 0)} of {capacity} free: "
+        if after.get(r.id):
+            names = ", ".join(repr(v) for v in after[r.id])
+            why[r.id] = (i + 1, need + f"preempting {names} ({victims[after[r.id][0]]}); it starts once "
+                                       f"they have checkpointed and given their nodes back")
+        elif within:
+            why[r.id] = (i + 1, need + f"tenant {r.tenant!r} is within its quota of {quotas.get(r.tenant, 0)}; "
+                                       f"nodes lent to tenants over theirs return when their runs end")
+        else:
+            why[r.id] = (i + 1, need + "a run within its tenant's quota waits first (no lending meanwhile)")
     for w in decision.waiting:  # positions count from 0 there
-        n = w.request.nodes
-        share = (f"; tenant {w.request.tenant!r}: quota {quotas.get(w.request.tenant, 0)} node(s)"
-                 if quotas else "")
+        n, t = w.request.nodes, w.request.tenant
+        share = ""
+        if quotas and usage.get(t, 0) + n <= quotas.get(t, 0):
+            share = (f"; tenant {t!r} is within its quota of {quotas.get(t, 0)}: nodes lent to tenants over "
+                     f"theirs return when their runs end (runs that are not preemptible keep their nodes)")
+        elif quotas:
+            share = f"; tenant {t!r}: quota {quotas.get(t, 0)} node(s)"
         ahead = len(start) + len(held_back) + w.position
         why[w.request.id] = (ahead + 1,
                              f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
                              + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else "")
                              + share)
-    return start, why
+    return start, why, preempt
 
 
 @dataclass(frozen=True)
@@ -143,6 +201,20 @@ def embedded_capacity() -> int:
     return int(os.environ.get("TRAINFLOW_EMBEDDED_NODES", "4"))
 
 
+def _add_column(con, table: str, column: str, decl: str) -> None:
+    """Give a table created by an older release a column it lacks (idempotent, and safe
+    when several processes open the database at once)."""
+    try:
+        con.execute(f"SELECT {column} FROM {table} LIMIT 0")
+        return
+    except Exception:  # noqa: BLE001 - sqlite3 / psycopg2: no such column
+        pass
+    try:
+        con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    except Exception:  # noqa: BLE001 - another process added it first
+        con.execute(f"SELECT {column} FROM {table} LIMIT 0")
+
+
 class StateDB:
     """A table set in trainflow's database (``trainflow.statedb``: SQLite in WAL mode or
     PostgreSQL; autocommit, explicit ``BEGIN IMMEDIATE`` where a read-modify-write must be
@@ -157,6 +229,9 @@ class StateDB:
         self.db = target if is_postgres(target) else sqlite_path(target)
         with closing(self._connect()) as con:
             con.executescript(self.SCHEMA)
+            for table, column, decl in ADDED_COLUMNS:
+                if f"TABLE IF NOT EXISTS {table} (" in self.SCHEMA:
+                    _add_column(con, table, column, decl)
 
     def _connect(self):
         from trainflow.statedb import connect
@@ -167,12 +242,65 @@ class StateDB:
 class Allocator(StateDB):
     """Gang allocator over trainflow's SQLite database; safe across processes."""
 
-    SCHEMA = _SCHEMA
+    SCHEMA = _SCHEMA + HOST_TABLES
 
-    def set_pool(self, name: str, nodes: int) -> None:
+    def set_pool(self, name: str, nodes: int, *, policy: str | None = None) -> None:
+        """Create or resize pool ``name``; with ``policy`` (``priority``, ``fifo`` or
+        ``backfill``), also set how it admits while it has no quotas (default: priority).
+
+        Raises:
+            SpecError: an unknown policy.
+        """
+        if policy is not None and policy not in POOL_POLICIES:
+            raise SpecError("policy", policy, f"choose one of {', '.join(POOL_POLICIES)} (a pool with tenant "
+                                              f"quotas admits by fair share)")
         with closing(self._connect()) as con:
             con.execute("INSERT INTO pools VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET nodes=excluded.nodes",
                         (name, nodes))
+            if policy is not None:
+                con.execute("INSERT INTO pool_policies VALUES (?, ?) ON CONFLICT(pool) DO UPDATE SET "
+                            "policy=excluded.policy", (name, policy))
+
+    def pools(self) -> dict[str, int]:
+        """Every pool (sized by ``set_pool`` or by its registered hosts) and its size in nodes."""
+        with closing(self._connect()) as con:
+            names = {r[0] for r in con.execute("SELECT name FROM pools")} \
+                | {r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")}
+            return {name: self._capacity(con, name) for name in sorted(names)}
+
+    def capacity(self, pool: str) -> int:
+        """The pool's size in nodes.
+
+        Raises:
+            SpecError: an unknown pool (naming the known ones).
+        """
+        with closing(self._connect()) as con:
+            return self._capacity(con, pool)
+
+    def policy(self, pool: str) -> str:
+        """How ``pool`` admits now: ``fairshare`` if it has quotas, else its set policy."""
+        with closing(self._connect()) as con:
+            return self._policy(con, pool)
+
+    @staticmethod
+    def _policy(con, pool: str) -> str:
+        if con.execute("SELECT 1 FROM quotas WHERE pool=? LIMIT 1", (pool,)).fetchone():
+            return "fairshare"
+        row = con.execute("SELECT policy FROM pool_policies WHERE pool=?", (pool,)).fetchone()
+        return row[0] if row else "priority"
+
+    def estimate(self, scope: str, steps: int) -> float | None:
+        """Expected seconds from admission to release of a run of ``steps`` steps, from the
+        newest completed runs of the same ``scope`` (their median seconds per step); None
+        without history."""
+        with closing(self._connect()) as con:
+            rows = con.execute("SELECT seconds, steps FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT ?",
+                               (scope, HISTORY_USE)).fetchall()
+        if not rows:
+            return None
+        import statistics
+
+        return statistics.median(sec / max(n, 1) for sec, n in rows) * steps
 
     def set_quota(self, pool: str, tenant: str, nodes: int | None) -> None:
         """Give ``tenant`` a quota of ``nodes`` in ``pool`` (None removes it). A pool with any
@@ -227,19 +355,30 @@ class Allocator(StateDB):
         return Lease(run_key, tenant, pool, granted, now, now + ttl)
 
     def request(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
-                up_to: int | None = None, priority: int = 0, now: float | None = None) -> "Lease | Waiting":
+                up_to: int | None = None, priority: int = 0, preemptible: bool = False,
+                estimate: float | None = None, now: float | None = None) -> "Lease | Waiting":
         """Admit the gang in its turn: it is granted (as ``admit``) when the pool's queue
         order lets it start and it fits; otherwise it waits in the pool's queue and the
         answer says where and why. Call again to renew the wait and to be admitted once
         capacity frees (idempotent; a granted run gets its lease back).
 
         The decision is ``trainflow.sched.decide`` (the code the trace simulator runs) over
-        the pool's nodes. Without quotas, the ``priority`` policy: higher priority first,
-        first come first served within a priority, and a gang that does not fit blocks the
-        ones behind it, so a large gang is never starved by a stream of small ones. With
+        the pool's nodes. Without quotas, the pool's policy (``set_pool``); by default
+        ``priority``: higher priority first, first come first served within a priority, and
+        a gang that does not fit blocks the ones behind it, so a large gang is never starved
+        by a stream of small ones. ``backfill``: first come first served, and a later run
+        with an ``estimate`` (seconds from admission to release) starts early when it ends
+        before the first waiting gang's reservation, or fits in nodes the reservation leaves
+        spare; the reservation comes from the running runs' estimates. With
         quotas (``set_quota``), ``fairshare``: runs within their tenant's quota first, the
         least-served tenant first, idle quota lent to others; while a run within its quota
-        waits, nobody borrows. Admission does not preempt (yet): what runs keeps its nodes.
+        waits, nobody borrows.
+
+        Preemption: a run admitted with ``preemptible`` may be stopped for a waiting run of
+        higher priority (or, with quotas, for a run within its quota while it borrows). The
+        decision marks it (``preemption``); its node tasks checkpoint, stop and give the
+        lease back with ``yield_lease``, which requeues it with its first submission time;
+        the waiting run is granted once the nodes are free. Other runs keep their nodes.
 
         Raises:
             SpecError: the pool is unknown or smaller than the request (it would never fit).
@@ -253,6 +392,10 @@ class Allocator(StateDB):
                 granted = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()[0]
                 return Lease(run_key, tenant, pool, granted, now, now + ttl)
             con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,))
+            first = con.execute("SELECT submitted FROM waiting WHERE run_key=?", (run_key,)).fetchone()
+            if estimate:
+                con.execute("INSERT INTO estimates VALUES (?, ?) ON CONFLICT(run_key) DO UPDATE SET "
+                            "seconds=excluded.seconds", (run_key, float(estimate)))
             con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
                         "seen=excluded.seen, nodes=excluded.nodes, up_to=excluded.up_to, "
                         "priority=excluded.priority", (run_key, tenant, pool, nodes, up_to, priority, now, now))
@@ -263,13 +406,22 @@ class Allocator(StateDB):
             offline = self._offline(con, pool, now)
             free = capacity - offline - sum(r[2] for r in leases)
             quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
-            start, why = _admissions(capacity, offline, leases, waiting, now, quotas)
+            start, why, preempt = _admissions(capacity, offline, leases, waiting, now, quotas,
+                                              self._preemptible(con, [r[0] for r in leases]),
+                                              self._policy(con, pool), self._estimates(con, pool))
+            for victim, (by, reason) in preempt.items():
+                con.execute("INSERT INTO preemptions VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
+                            (victim, pool, by, now, reason))
             if run_key in start:
                 ahead = sum(start[k] for k in start if k != run_key)  # granted in this same decision
                 granted = nodes + max(0, min(up_to - nodes, free - ahead - nodes))
                 con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
                 con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
                             (run_key, tenant, pool, granted, now, now + ttl))
+                if preemptible:
+                    con.execute("INSERT INTO preemptible VALUES (?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
+                                "priority=excluded.priority, submitted=excluded.submitted",
+                                (run_key, priority, first[0] if first else now))
                 return Lease(run_key, tenant, pool, granted, now, now + ttl)
             position, reason = why[run_key]
             return Waiting(run_key, pool, position, f"pool {pool!r}: {reason}")
@@ -287,9 +439,13 @@ class Allocator(StateDB):
                                  (pool,)).fetchall()
             quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
             capacity, offline = self._capacity(con, pool), self._offline(con, pool, now)
+            running = self._preemptible(con, [r[0] for r in leases])
+            policy = self._policy(con, pool)
+        if policy in ("fifo", "backfill"):  # arrival order; backfill may start later ones early
+            return [r[0] for r in sorted(waiting, key=lambda r: (r[4], r[0]))]
         if not quotas:
             return [r[0] for r in waiting]
-        start, why = _admissions(capacity, offline, leases, waiting, now, quotas)
+        start, why, _ = _admissions(capacity, offline, leases, waiting, now, quotas, running)
         return sorted((r[0] for r in waiting), key=lambda k: (k not in start, why.get(k, (0,))[0]))
 
     def grow(self, run_key: str, *, by: int = 1, now: float | None = None) -> bool:
@@ -348,11 +504,19 @@ class Allocator(StateDB):
 
     @staticmethod
     def _capacity(con, pool: str) -> int:
+        """The pool's size: its ``set_pool`` size, else its registered hosts that are not
+        cordoned (``trainflow doctor --register --pool``, ``trainflow worker``)."""
         row = con.execute("SELECT nodes FROM pools WHERE name=?", (pool,)).fetchone()
-        if row is None:
-            known = [r[0] for r in con.execute("SELECT name FROM pools ORDER BY name")]
-            raise SpecError("pool", pool, f"unknown pool; known pools: {', '.join(known) or 'none'}")
-        return row[0]
+        if row is not None:
+            return row[0]
+        registered, healthy = con.execute(
+            "SELECT COUNT(*), COALESCE(SUM(CASE WHEN host IN (SELECT host FROM cordons) THEN 0 ELSE 1 END), 0) "
+            "FROM inventory WHERE pool=?", (pool,)).fetchone()
+        if registered:
+            return healthy
+        known = sorted({r[0] for r in con.execute("SELECT name FROM pools")}
+                       | {r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")})
+        raise SpecError("pool", pool, f"unknown pool; known pools: {', '.join(known) or 'none'}")
 
     @staticmethod
     def _used(con, pool: str) -> int:
@@ -362,13 +526,89 @@ class Allocator(StateDB):
     def _offline(con, pool: str, now: float) -> int:
         return con.execute("SELECT COUNT(*) FROM offline WHERE pool=? AND until > ?", (pool, now)).fetchone()[0]
 
-    def release(self, run_key: str) -> bool:
-        """Free the run's lease (and the nodes it lost, ``lose_node``) or withdraw its waiting
-        request; True if it held a lease."""
+    @staticmethod
+    def _estimates(con, pool: str) -> dict[str, float]:
+        """Estimates of the pool's running and waiting runs: run key → seconds."""
+        return dict(con.execute(
+            "SELECT e.run_key, e.seconds FROM estimates e WHERE e.run_key IN (SELECT run_key FROM leases WHERE pool=?) "
+            "OR e.run_key IN (SELECT run_key FROM waiting WHERE pool=?)", (pool, pool)).fetchall())
+
+    @staticmethod
+    def _preemptible(con, keys: list[str]) -> dict[str, tuple[int, float]]:
+        """The preemptible ones among the runs ``keys``: run key → (priority, first submitted)."""
+        if not keys:
+            return {}
+        rows = con.execute("SELECT run_key, priority, submitted FROM preemptible WHERE run_key IN ("
+                           + ", ".join("?" * len(keys)) + ")", keys).fetchall()
+        return {key: (prio, submitted) for key, prio, submitted in rows}
+
+    def preemption(self, run_key: str) -> dict | None:
+        """The preemption ordered for ``run_key`` (``by``: the run it makes room for, ``at``,
+        ``reason``), or None while it may keep its nodes."""
+        with closing(self._connect()) as con:
+            row = con.execute("SELECT by_key, at, reason FROM preemptions WHERE run_key=?", (run_key,)).fetchone()
+        return None if row is None else {"by": row[0], "at": row[1], "reason": row[2]}
+
+    def yield_lease(self, run_key: str, *, nodes: int, now: float | None = None) -> bool:
+        """A preempted run gives its nodes back and goes back to its pool's queue, first in
+        line among its priority by its first submission time. Idempotent: False if no
+        preemption is ordered for it (another of its node tasks already yielded, or it was
+        never preempted), which leaves any lease it holds alone.
+
+        Args:
+            nodes: the gang's size, which its requeued request asks for again.
+        """
+        now = time.time() if now is None else now
         with self._transaction() as con:
+            if con.execute("DELETE FROM preemptions WHERE run_key=?", (run_key,)).rowcount == 0:
+                return False
+            lease = con.execute("SELECT tenant, pool FROM leases WHERE run_key=?", (run_key,)).fetchone()
+            meta = con.execute("SELECT priority, submitted FROM preemptible WHERE run_key=?", (run_key,)).fetchone()
+            con.execute("DELETE FROM leases WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM offline WHERE run_key=?", (run_key,))
+            if lease is not None:
+                prio, submitted = meta if meta is not None else (0, now)
+                con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
+                            (run_key, lease[0], lease[1], nodes, nodes, prio, submitted, now))
+            return True
+
+    def release(self, run_key: str, *, completed: tuple[str, int] | None = None,
+                now: float | None = None) -> bool:
+        """Free the run's lease (and the nodes it lost, ``lose_node``) or withdraw its waiting
+        request; True if it held a lease. ``completed``: the run trained to the end, as
+        ``(scope, steps)``: its time from admission to now joins the scope's history, which
+        ``estimate`` reads (the newest ``HISTORY_KEEP`` per scope are kept)."""
+        now = time.time() if now is None else now
+        with self._transaction() as con:
+            if completed is not None:
+                scope, steps = completed
+                row = con.execute("SELECT granted FROM leases WHERE run_key=?", (run_key,)).fetchone()
+                if row is not None:
+                    con.execute("INSERT INTO run_history VALUES (?, ?, ?, ?)", (scope, int(steps), now - row[0], now))
+                    old = con.execute("SELECT ended FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT 1 OFFSET ?",
+                                      (scope, HISTORY_KEEP - 1)).fetchone()
+                    if old is not None:
+                        con.execute("DELETE FROM run_history WHERE scope=? AND ended < ?", (scope, old[0]))
+            con.execute("DELETE FROM estimates WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM offline WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM preemptible WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM preemptions WHERE run_key=?", (run_key,))
             return con.execute("DELETE FROM leases WHERE run_key=?", (run_key,)).rowcount > 0
+
+    def prune(self, now: float | None = None) -> dict[str, int]:
+        """Delete rows that only accumulate (retention): expired leases, offline marks whose
+        time passed, waiting requests nobody renews, and estimates, preemption marks and
+        orders of runs that neither hold a lease nor wait. Returns counts per table."""
+        now = time.time() if now is None else now
+        live = "run_key NOT IN (SELECT run_key FROM leases) AND run_key NOT IN (SELECT run_key FROM waiting)"
+        with self._transaction() as con:
+            out = {"leases": con.execute("DELETE FROM leases WHERE expires < ?", (now,)).rowcount,
+                   "offline": con.execute("DELETE FROM offline WHERE until < ?", (now,)).rowcount,
+                   "waiting": con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,)).rowcount}
+            for table in ("estimates", "preemptible", "preemptions"):
+                out[table] = con.execute(f"DELETE FROM {table} WHERE {live}").rowcount
+        return out
 
     def leases(self, pool: str | None = None, now: float | None = None) -> list[Lease]:
         now = time.time() if now is None else now

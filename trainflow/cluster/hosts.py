@@ -15,7 +15,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass
 
-from trainflow.cluster.allocator import StateDB
+from trainflow.cluster.allocator import HOST_TABLES, StateDB
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS host_failures (
@@ -23,12 +23,7 @@ CREATE TABLE IF NOT EXISTS host_failures (
     reason TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS host_failures_host ON host_failures (host, time);
-CREATE TABLE IF NOT EXISTS cordons (host TEXT PRIMARY KEY, since REAL NOT NULL, reason TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS inventory (
-    host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, devices INTEGER NOT NULL,
-    time REAL NOT NULL
-);
-"""
+""" + HOST_TABLES
 
 
 def host_name() -> str:
@@ -109,22 +104,62 @@ class HostRegistry(StateDB):
             row = con.execute("SELECT host, since, reason FROM cordons WHERE host=?", (host,)).fetchone()
         return Cordon(*row) if row else None
 
-    def register(self, host: str, *, queue: str, family: str, devices: int, now: float | None = None) -> None:
-        """Record what ``host`` serves (``trainflow doctor --register``): provision refuses
-        a gang whose nproc_per_node no registered host of its queue can give."""
-        now = time.time() if now is None else now
-        with closing(self._connect()) as con:
-            con.execute("INSERT INTO inventory VALUES (?, ?, ?, ?, ?) ON CONFLICT (host) DO UPDATE SET "
-                        "queue=excluded.queue, family=excluded.family, devices=excluded.devices, "
-                        "time=excluded.time", (host, queue, family, int(devices), now))
+    def register(self, host: str, *, queue: str, family: str, devices: int, pool: str | None = None,
+                 model: str = "", labels: dict[str, str] | None = None, now: float | None = None) -> None:
+        """Record what ``host`` serves (``trainflow doctor --register``, ``trainflow
+        worker``): its chip queue, family and model, ``devices`` chips, the node ``pool`` it
+        belongs to (default: its queue) and free-form ``labels`` (``rack=r1``). Provision
+        refuses a gang whose nproc_per_node no registered host of its queue can give; a pool
+        without a ``set_pool`` size has as many nodes as registered hosts not cordoned.
 
-    def inventory(self, queue: str | None = None) -> list[dict]:
-        """Registered hosts (of ``queue``), most devices first."""
+        Raises:
+            SpecError: a label that is not a short ``name=value`` pair.
+        """
+        import json
+
+        from trainflow.errors import SpecError
+
+        now = time.time() if now is None else now
+        labels = dict(labels or {})
+        for key, value in labels.items():
+            if not (isinstance(key, str) and isinstance(value, str) and 0 < len(key) <= 63 and len(value) <= 63
+                    and key.replace("-", "").replace("_", "").replace(".", "").replace("/", "").isalnum()):
+                raise SpecError("label", f"{key}={value}", "name=value, a name of letters, digits, '-', '_', "
+                                "'.' or '/' and a value of at most 63 characters, e.g. rack=r1")
         with closing(self._connect()) as con:
-            rows = con.execute("SELECT host, queue, family, devices, time FROM inventory"
-                               + (" WHERE queue=?" if queue else "") + " ORDER BY devices DESC, host",
-                               (queue,) if queue else ()).fetchall()
-        return [dict(zip(("host", "queue", "family", "devices", "time"), r)) for r in rows]
+            con.execute("INSERT INTO inventory (host, queue, family, devices, time, pool, model, labels) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (host) DO UPDATE SET "
+                        "queue=excluded.queue, family=excluded.family, devices=excluded.devices, "
+                        "time=excluded.time, pool=excluded.pool, model=excluded.model, labels=excluded.labels",
+                        (host, queue, family, int(devices), now, pool or queue, model or "",
+                         json.dumps(labels, sort_keys=True)))
+
+    def deregister(self, host: str) -> bool:
+        """Take ``host`` out of the inventory (decommissioned); True if it was registered."""
+        with closing(self._connect()) as con:
+            return con.execute("DELETE FROM inventory WHERE host=?", (host,)).rowcount > 0
+
+    def inventory(self, queue: str | None = None, *, pool: str | None = None) -> list[dict]:
+        """Registered hosts (of ``queue``, of ``pool``), most devices first, each with its
+        cordon (None: healthy)."""
+        import json
+
+        where, args = [], []
+        for column, value in (("queue", queue), ("pool", pool)):
+            if value:
+                where.append(f"i.{column}=?")
+                args.append(value)
+        with closing(self._connect()) as con:
+            rows = con.execute("SELECT i.host, i.queue, i.family, i.devices, i.time, i.pool, i.model, i.labels, "
+                               "c.reason FROM inventory i LEFT JOIN cordons c ON c.host = i.host"
+                               + (" WHERE " + " AND ".join(where) if where else "")
+                               + " ORDER BY i.devices DESC, i.host", args).fetchall()
+        keys = ("host", "queue", "family", "devices", "time", "pool", "model", "labels", "cordoned")
+        out = [dict(zip(keys, r)) for r in rows]
+        for row in out:
+            row["labels"] = json.loads(row["labels"] or "{}")
+            row["pool"] = row["pool"] or row["queue"]  # registered before pools were recorded
+        return out
 
     def hosts(self, *, policy: CordonPolicy, now: float | None = None) -> list[dict]:
         """Every known host with its recent failures and cordon (for the CLI and the UI)."""

@@ -43,17 +43,21 @@ class SlotLeases:
         self.run_dir, self.run_key, self.pool = Path(run_dir), run_key, pool
         self.allocator = allocator or Allocator()
         self.nodes_dir = self.run_dir / "nodes"
+        self.request: dict | None = None
 
     @classmethod
     def create(cls, run_dir: Path, run_key: str, pool: str, granted: int,
-               allocator: Allocator | None = None) -> "SlotLeases":
-        """Provision's side: remember the lease and mark slots ``0..granted-1`` as holding
-        a node (stale markers of an earlier run with the same id are removed)."""
+               allocator: Allocator | None = None, request: dict | None = None) -> "SlotLeases":
+        """Provision's side: remember the lease (and ``request``, the ``Allocator.request``
+        arguments it was granted for, which a preempted run asks again with) and mark slots
+        ``0..granted-1`` as holding a node (stale markers of an earlier run with the same id
+        are removed)."""
         leases = cls(run_dir, run_key, pool, allocator)
         leases.nodes_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*leases.nodes_dir.glob("slot-*.held"), *leases.nodes_dir.glob("lost-*.json")]:
             stale.unlink()
-        write_json_atomic(leases.nodes_dir / LEASE_FILE, {"run_key": run_key, "pool": pool, "granted": granted})
+        write_json_atomic(leases.nodes_dir / LEASE_FILE, {"run_key": run_key, "pool": pool, "granted": granted,
+                                                          "request": request})
         for node in range(granted):
             leases._held(node).touch()
         return leases
@@ -64,7 +68,9 @@ class SlotLeases:
             info = json.loads((Path(run_dir) / "nodes" / LEASE_FILE).read_text())
         except (OSError, ValueError):
             return None
-        return cls(run_dir, info["run_key"], info["pool"], allocator)
+        leases = cls(run_dir, info["run_key"], info["pool"], allocator)
+        leases.request = info.get("request")
+        return leases
 
     def _held(self, node: int) -> Path:
         return self.nodes_dir / f"slot-{node:04d}.held"

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainflow.workspace import COMPLETE, GROW_ACK, completed, write_json_atomic
+from trainflow.workspace import COMPLETE, GROW_ACK, completed, preempted, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +366,9 @@ def run(plan_path: Path, node: int) -> int:
                                         "error": f"{type(exc).__name__}: {exc}"[:4000]})
         print(f"[node {node}] agent failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
-    write_json_atomic(status_file, {"node": node, "state": "succeeded", "pid": os.getpid(),
-                                    "started": started, "ended": time.time()})
+    stop = preempted(plan["run_dir"])  # the workers stopped at a checkpoint for a preemption
+    write_json_atomic(status_file, {"node": node, "state": "preempted" if stop and "step" in stop else "succeeded",
+                                    "pid": os.getpid(), "started": started, "ended": time.time()})
     return 0
 
 

@@ -66,6 +66,10 @@ def chart_values(families: tuple[str, ...] = DEFAULT_FAMILIES, *, image: str = "
             "celery_broker_transport_options": {"visibility_timeout": 604800},
             # A worker pod lost with its node task is noticed in 60 s, not Airflow's 300 s.
             "scheduler": {"task_instance_heartbeat_timeout": 60},
+            # A task starting while the api-server restarts waits for it instead of failing
+            # its try (Airflow's 5 s × 5 calls give up after ~12 s).
+            "workers": {"execution_api_timeout": 30, "execution_api_retries": 8,
+                        "execution_api_retry_wait_max": 30},
         },
         # trainflow's own state database; the URL holds no password (it lands in plans).
         "env": [{"name": "TRAINFLOW_HOME", "value": WORKSPACE_PATH}],

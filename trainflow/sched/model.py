@@ -133,6 +133,9 @@ class Request:
     """When it was first submitted (kept when a preempted request goes back to the queue)."""
     estimate: float | None = None
     """Expected seconds of run time left; backfill never jumps a request without one."""
+    preemptible: bool = True
+    """Whether ``priority`` and ``fairshare`` may stop it once it runs (a run that cannot
+    checkpoint and requeue says False and keeps its chips until it ends)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:

@@ -16,7 +16,8 @@ def victims(pool: Pool, free: FreeMap, on_node: Sequence[Sequence[Running]], req
     Per node: no victim if the node already has the chips free; else the single eligible
     run that frees enough, the most recently started one (it loses the least work); else
     the biggest ones first. Then the ``request.nodes`` cheapest nodes: fewest victims, then
-    the youngest oldest victim, then the lower index. Runs in ``gone`` are already preempted.
+    the youngest oldest victim, then the lower index. Runs in ``gone`` are already preempted;
+    runs whose request is not ``preemptible`` are never victims.
     """
     c = request.chips_per_node
     options: list[tuple[tuple, tuple[Running, ...]]] = []
@@ -27,7 +28,8 @@ def victims(pool: Pool, free: FreeMap, on_node: Sequence[Sequence[Running]], req
         if need <= 0:
             options.append(((0, 0.0, x), ()))
             continue
-        cands = [run for run in on_node[x] if run.request.id not in gone and eligible(run)]
+        cands = [run for run in on_node[x]
+                 if run.request.id not in gone and run.request.preemptible and eligible(run)]
         chosen = _fewest(cands, need)
         if chosen is not None:
             options.append(((len(chosen), -min(run.started for run in chosen), x), chosen))

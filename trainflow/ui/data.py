@@ -131,7 +131,10 @@ def _state(run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], n
         return RunState.PENDING, "no rank has reported yet"
     policy = HeartbeatPolicy(timeout=float(spec.get("heartbeat_timeout", 60.0)),
                              startup_timeout=float(spec.get("startup_timeout", 300.0)))
-    verdict = classify(beats, now=now, world_size=world_size, started_at=started_at, policy=policy)
+    restarts = {int(n["node"]): float(n["started"]) for n in nodes
+                if n.get("node") is not None and n.get("started") is not None}
+    verdict = classify(beats, now=now, world_size=world_size, started_at=started_at, policy=policy,
+                       node_started=restarts)
     if verdict.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
         return RunState.STALLED, verdict.message
     return RunState.RUNNING, verdict.message

@@ -28,11 +28,15 @@ from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.remediation import abort
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
-from trainflow.workspace import COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, write_json_atomic
+from trainflow.workspace import (COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, PREEMPT_REQUEST, PREEMPTED,
+                                 write_json_atomic)
 
 ABORT_EXIT_CODE = 3
 # How long a gang that opened a grow window waits for the joining node before it trains on.
 GROW_WINDOW_S = 20.0
+# A preemptible gang asks rank 0 whether it is to stop every this many steps (and at every
+# checkpoint): one 4-byte broadcast, so it stops within a few steps of the order.
+PREEMPT_CHECK_STEPS = 10
 
 
 def data_position(spec: TrainingSpec, ref) -> int:
@@ -113,14 +117,53 @@ def grow_window(run_dir: Path, spec: TrainingSpec, rank: int, step: int, checkpo
         say("no node joined in the grow window; training on")
 
 
+def preempt_point(run_dir: Path, rank: int, step: int, checkpoint, say) -> bool:
+    """Collective, every ``PREEMPT_CHECK_STEPS`` steps of a preemptible gang: if its node
+    tasks asked it to stop (``control/preempt-request.json``, the allocator's order), commit
+    a checkpoint of ``step`` (``checkpoint(step)``: saves unless that step's save already
+    started, and waits for the commit) and, once it is the newest verified one, return True
+    on every rank with rank 0 having written ``control/preempted.json``. If the save did
+    not commit, train on: the next check tries again."""
+    import torch
+    import torch.distributed as dist
+
+    control = run_dir / "control"
+    flag = torch.tensor([1.0 if rank == 0 and (control / PREEMPT_REQUEST).exists() else 0.0])
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return False
+    checkpoint(step)
+    dist.barrier()
+    if rank == 0:
+        newest = manifest.list_checkpoints(run_dir / "checkpoints")
+        if not newest or newest[0][0] != step:
+            flag.zero_()
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        say(f"asked to stop for a preemption, but the checkpoint of step {step} did not commit; "
+            f"training on (the next check tries again)")
+        return False
+    if rank == 0:
+        try:
+            order = json.loads((control / PREEMPT_REQUEST).read_text())
+        except (OSError, ValueError):
+            order = {}
+        write_json_atomic(control / PREEMPTED, {"step": step, "time": time.time(), "by": order.get("by")})
+        record(run_dir, "preempted", step=step, by=order.get("by"), reason=clip(order.get("reason", "")))
+        say(f"preempted for {order.get('by')!r}: checkpoint of step {step} committed; the gang stops "
+            f"and resumes from it when admitted again")
+    return True
+
+
 def crash_restarts(events: list[dict], step: int) -> int:
     """Gang starts from the checkpoint of ``step`` so far, not counting the restart a grow
-    window planned there (it follows no failure; the crash-loop limit is about failures)."""
+    window or a preemption planned there (they follow no failure; the crash-loop limit is
+    about failures)."""
     count, planned = 0, False
     for e in events:
         if e.get("step") != step:
             continue
-        if e["event"] == "grow_window":
+        if e["event"] in ("grow_window", "preempted"):
             planned = True
         elif e["event"] == "gang_start":
             count += not planned
@@ -404,6 +447,41 @@ def run(run_dir: Path) -> int:
     if spec.record_samples:
         (run_dir / "samples").mkdir(exist_ok=True)
         samples_log = open(run_dir / "samples" / f"rank-{rank:05d}.jsonl", "a", buffering=1)
+    def save(done: int) -> None:
+        nonlocal last_ckpt
+        beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
+                  checkpoint_step=last_ckpt, force=True)
+        t_save = time.perf_counter()
+        if rank == 0:
+            save_started[done] = time.time()
+        if checkpointer is not None:
+            if injector.ballast_outlived(last_ckpt) and checkpointer.wait():
+                # Only rank 0 hears of a committed save; a failed one would have
+                # released the ballast already, so the previous save succeeded.
+                injector.save_finished(last_ckpt, ok=True)
+            checkpointer.save(model, optimizer, step=done, extra=extra_state(position, scaler))
+        else:
+            try:
+                ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
+                               training_hash=thash, keep_last=spec.keep_last,
+                               extra=extra_state(position, scaler))
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
+                on_error(done, exc)
+            else:
+                on_commit(ref) if ref is not None else injector.save_finished(done, ok=True)
+        stall_ms = 1000 * (time.perf_counter() - t_save)
+        last_ckpt = done
+        if rank == 0:
+            record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode,
+                   stall_ms=round(stall_ms, 3))
+
+    def save_and_wait(done: int) -> None:
+        if last_ckpt != done:
+            save(done)
+        if checkpointer is not None:
+            checkpointer.wait()
+
+    preempted_at = None
     for step in range(start, spec.steps):
         torch.manual_seed(step_seed(spec.seed, rank, step))
         for group in optimizer.param_groups:
@@ -450,33 +528,14 @@ def run(run_dir: Path) -> int:
             timeline.append(run_dir / "curve.jsonl", {"time": curve_t, "step": done, "loss": loss_value,
                                                        "world": world, "global_batch": global_batch})
         if done % spec.checkpoint_interval == 0 or done == spec.steps:
-            beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
-                      checkpoint_step=last_ckpt, force=True)
-            t_save = time.perf_counter()
-            if rank == 0:
-                save_started[done] = time.time()
-            if checkpointer is not None:
-                if injector.ballast_outlived(last_ckpt) and checkpointer.wait():
-                    # Only rank 0 hears of a committed save; a failed one would have
-                    # released the ballast already, so the previous save succeeded.
-                    injector.save_finished(last_ckpt, ok=True)
-                checkpointer.save(model, optimizer, step=done, extra=extra_state(position, scaler))
-            else:
-                try:
-                    ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
-                                   training_hash=thash, keep_last=spec.keep_last,
-                                   extra=extra_state(position, scaler))
-                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
-                    on_error(done, exc)
-                else:
-                    on_commit(ref) if ref is not None else injector.save_finished(done, ok=True)
-            stall_ms = 1000 * (time.perf_counter() - t_save)
-            last_ckpt = done
-            if rank == 0:
-                record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode,
-                       stall_ms=round(stall_ms, 3))
+            save(done)
             if spec.elastic and world < spec.world_size and done < spec.steps:
                 grow_window(run_dir, spec, rank, done, checkpointer, beat, say)
+        if (spec.preemptible and done < spec.steps
+                and (done % PREEMPT_CHECK_STEPS == 0 or done % spec.checkpoint_interval == 0)
+                and preempt_point(run_dir, rank, done, save_and_wait, say)):
+            preempted_at = done
+            break
         while committed:
             ref = committed.pop(0)
             injector.after_checkpoint(ref.step, Path(ref.path))
@@ -488,14 +547,16 @@ def run(run_dir: Path) -> int:
             injector.save_finished(last_ckpt, ok=True)
         for ref in committed:
             injector.after_checkpoint(ref.step, Path(ref.path))
-    beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
-              samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma, force=True)
-    if rank == 0:  # standing spares and nodes waiting to join end with the run
+    # A preempted gang stopped at a verified checkpoint: its node tasks requeue the run.
+    if preempted_at is None:
+        beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
+                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma, force=True)
+    if rank == 0 and preempted_at is None:  # standing spares and nodes waiting to join end with the run
         write_json_atomic(run_dir / "control" / COMPLETE, {"step": spec.steps, "time": time.time(),
                                                          "world": world})
     # Free model, optimizer and data before tearing the group down: workers otherwise
     # hang at exit in a fraction of runs (DESIGN.md §2).
-    del model, optimizer, workload
+    model = optimizer = workload = None  # (the closures above hold the cells, not the objects)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,60 @@
+"""How bench/soak judges that a series stayed bounded (the 10-minute soak in the e2e suite
+asserts these verdicts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _soak():
+    spec = importlib.util.spec_from_file_location("bench_soak_bounds", REPO / "bench" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _series(values, **extra):
+    return [{"t": 15.0 * i, "logs_mb": v, **extra} for i, v in enumerate(values)]
+
+
+def test_quarter_means_flag_steady_growth_and_pass_a_flat_series():
+    soak = _soak()
+    assert soak.bounded(_series([1.0 + 0.1 * i for i in range(40)]), lambda s: s["logs_mb"])["bounded"] is False
+    assert soak.bounded(_series([1.0, 1.1, 0.9, 1.0] * 10), lambda s: s["logs_mb"])["bounded"] is True
+    assert soak.bounded(_series([1.0] * 5), lambda s: s["logs_mb"])["bounded"] is None  # too few samples
+
+
+def test_log_state_reads_the_oldest_task_log_and_the_rotated_parts(tmp_path):
+    soak = _soak()
+    task_log = tmp_path / "dag_id=d" / "run_id=r" / "task_id=t" / "attempt=1.log"
+    task_log.parent.mkdir(parents=True)
+    task_log.write_text("x")
+    old = time.time() - 500
+    os.utime(task_log, (old, old))
+    for name in ("scheduler.log", "scheduler.log.1", "scheduler.log.2", "triggerer.log", "notes.log.bak"):
+        (tmp_path / name).write_text("x")
+    oldest, parts = soak.log_state(tmp_path)
+    assert abs(oldest - old) < 1e-3 and parts == 2
+    assert soak.log_state(tmp_path / "missing") == (None, 0)
+
+
+def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means():
+    soak = _soak()
+    # Run completions make the level swing (second quarter low, last quarter high) while
+    # retention keeps every promise: bounded, with the swing reported beside the verdict.
+    swinging = _series([0.6] * 10 + [0.6] * 10 + [1.0] * 10 + [1.2] * 10,
+                       log_parts=1, task_logs_past_cutoff_s=0.0)
+    verdict = soak.logs_bounded(swinging, log_keep=1)
+    assert verdict["bounded"] is True and verdict["quarter_means_within_1.25"] is False
+    # A task log that survived a sweep it should not have: not bounded, whatever the means.
+    stale = _series([1.0] * 40, log_parts=1, task_logs_past_cutoff_s=0.0)
+    stale[25]["task_logs_past_cutoff_s"] = 30.0
+    assert soak.logs_bounded(stale, log_keep=1)["bounded"] is False
+    # More rotated parts than kept: rotation is not pruning.
+    assert soak.logs_bounded(_series([1.0] * 40, log_parts=3, task_logs_past_cutoff_s=0.0),
+                             log_keep=1)["bounded"] is False
