@@ -8,7 +8,10 @@ for finished workspaces, task logs and Airflow's rows; component logs rotated pa
 with bounded lost work, and nothing grew without bound (RSS and fds of every component,
 Airflow's metadata rows, trainflow's rows, workspace disk use; log disk use by retention's
 invariants — no task log older than the last sweep's cutoff, no more rotated parts than kept —
-since its quarter means swing with the minute's run completions: CI once saw 0.84 → 1.12 MB).
+since its level swings with the minute's run completions: CI once saw 0.84 → 1.12 MB). Other
+series are bounded when the last quarter's mean stays within 1.25× the second quarter's peak
+(``bench.soak.bounded``). The run count is not asserted — it follows the machine's speed —
+but every fault kind of the rotation must have run and healed.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ def test_ten_minute_soak_heals_every_fault_and_stays_bounded(tmp_path):
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))  # kept for a failure's post-mortem
     runs = result["runs"]
     assert runs["failed"] == [], runs["per_run"]
-    assert runs["succeeded"] >= 12 and runs["weights_equal_clean"] == runs["succeeded"]
-    assert runs["faults_survived"] >= 8
+    assert runs["weights_equal_clean"] == runs["succeeded"]
+    # How many runs fit in 10 minutes depends on the machine (35 on a quiet one, 6 on a slow
+    # one); what must hold on any: every fault kind of the rotation ran and healed.
+    healed = {r["fault"] for r in runs["per_run"] if r.get("state") == "success"}
+    assert healed >= {f[0]["kind"] if f else None for f in bench.FAULTS}, runs["per_run"]
     interval = bench.CONF["checkpoint_interval"]
     for run in runs["per_run"]:  # a corrupt newest checkpoint costs the interval before it too
         assert (run.get("steps_lost") or 0) <= 2 * interval, run
