@@ -7,7 +7,8 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import pytest  # noqa: E402
 
 # The suite runs on two pytest-xdist workers, a file at a time (scripts/test: -n 2 --dist
-# loadfile), handed out in collection order: the longest files go first so that neither
+# loadfile --no-loadscope-reorder), handed out in collection order (xdist would otherwise
+# hand out the files with the most tests first): the longest files go first so that neither
 # worker is left with a long one at the end (minutes on a quiet 2-core machine: soak 13,
 # chaos 9, distributed stack 7, elastic gangs 5, embedded stack 3).
 LONGEST_FIRST = ("e2e/test_soak.py", "e2e/test_chaos.py", "e2e/test_distributed_stack.py",
