@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -23,3 +24,23 @@ def side_by_side(bench: str, out: Path, baseline: tuple[str, list[float]],
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in (f"{b_name}_median_s", f"{s_name}_median_s", "ratio")}))
     return result
+
+
+@contextlib.contextmanager
+def embedded_stack(prefix: str, **options):
+    """A real embedded stack (``EmbeddedStack(**options)``) in a temporary folder for one
+    benchmark: up and healthy inside the block, stopped and removed after it."""
+    import shutil
+    import tempfile
+
+    from trainflow.launch.local import free_port
+    from trainflow.stack import EmbeddedStack
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(), **options)
+    try:
+        stack.up(timeout=300)
+        yield stack
+    finally:
+        stack.stop()
+        shutil.rmtree(work, ignore_errors=True)

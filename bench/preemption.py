@@ -23,19 +23,15 @@ Writes bench/results/preemption.json.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _results import side_by_side  # noqa: E402
-from trainflow.launch.local import free_port  # noqa: E402
-from trainflow.stack import EmbeddedStack  # noqa: E402
+from _results import embedded_stack, side_by_side  # noqa: E402
 
 DAG = "train_digits"
 LOW = {"nodes": 2, "steps": 3000, "checkpoint_interval": 250, "heartbeat_interval": 0.5,
@@ -106,13 +102,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "preemption.json")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tf-preempt-bench-"))
-    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          node_slots=4)
-    stack.up(timeout=300)
     waits: dict[str, list[float]] = {"none": [], "preempt": []}
     preempted: list[dict] = []
-    try:
+    with embedded_stack("tf-preempt-bench-", node_slots=4) as stack:
         client = stack.client()
         client.wait_for_dag(DAG, timeout=180)
         client.unpause(DAG)
@@ -129,9 +121,6 @@ def main() -> int:
                 if mode == "preempt":
                     preempted.append(r)
                 print(f"round {i + 1} {mode}: {r}", flush=True)
-    finally:
-        stack.stop()
-        shutil.rmtree(work, ignore_errors=True)
     summary = {k: statistics.median(r[k] for r in preempted)
                for k in ("order_to_stop_s", "stop_to_nodes_back_s", "queue_wait_s", "readmitted_to_training_s")}
     side_by_side("preemption", args.out, ("priority_wait_no_preemption", waits["none"]),

@@ -16,18 +16,14 @@ Writes bench/results/spare.json; goal: a spare recovers faster than the retry pa
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _results import side_by_side  # noqa: E402
-from trainflow.launch.local import free_port  # noqa: E402
-from trainflow.stack import EmbeddedStack  # noqa: E402
+from _results import embedded_stack, side_by_side  # noqa: E402
 
 DAG = "train_digits"
 CONF = {"nodes": 2, "steps": 600, "checkpoint_interval": 50, "heartbeat_interval": 0.5,
@@ -49,12 +45,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spare.json")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tf-spare-bench-"))
-    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          node_slots=3)
-    stack.up(timeout=300)
     retry, spare = [], []
-    try:
+    with embedded_stack("tf-spare-bench-", node_slots=3) as stack:
         client = stack.client()
         client.wait_for_dag(DAG, timeout=180)
         client.unpause(DAG)
@@ -63,9 +55,6 @@ def main() -> int:
             retry.append(recovery(client, CONF, f"bench-retry-{stamp}-{i}"))
             spare.append(recovery(client, {**CONF, "spares": 1}, f"bench-spare-{stamp}-{i}"))
             print(f"round {i + 1}: retry {retry[-1]:.2f}s, spare {spare[-1]:.2f}s", flush=True)
-    finally:
-        stack.stop()
-        shutil.rmtree(work, ignore_errors=True)
     side_by_side("spare", args.out, ("airflow_retry", retry), ("hot_spare", spare),
                  rounds=args.rounds, conf=CONF)
     return 0
