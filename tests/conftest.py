@@ -61,3 +61,17 @@ def state_target(request, tmp_path):
     if request.param == "sqlite":
         return tmp_path / "state.db"
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture(scope="session")
+def soak_bench():
+    """``bench/soak.py`` as a module (the 10-minute soak in the suite and the unit tests of
+    its verdicts run the benchmark's own code)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+    spec = importlib.util.spec_from_file_location("bench_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

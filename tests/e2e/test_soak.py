@@ -16,25 +16,15 @@ but every fault kind of the rotation must have run and healed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_soak", REPO / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_ten_minute_soak_heals_every_fault_and_stays_bounded(tmp_path):
-    bench = _bench()
+def test_ten_minute_soak_heals_every_fault_and_stays_bounded(tmp_path, soak_bench):
+    bench = soak_bench
     result = bench.soak(10, log=print)
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))  # kept for a failure's post-mortem
     runs = result["runs"]

@@ -3,27 +3,17 @@ asserts these verdicts)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("bench_soak_bounds", REPO / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _series(values, **extra):
     return [{"t": 15.0 * i, "logs_mb": v, **extra} for i, v in enumerate(values)]
 
 
-def test_the_last_quarter_against_the_second_quarters_peak():
-    soak = _soak()
+def test_the_last_quarter_against_the_second_quarters_peak(soak_bench):
+    soak = soak_bench
     level = lambda s: s["logs_mb"]  # noqa: E731
     assert soak.bounded(_series([1.0 + 0.1 * i for i in range(40)]), level)["bounded"] is False
     # A leak on top of a base level fails once it adds more than that level over the soak.
@@ -37,8 +27,8 @@ def test_the_last_quarter_against_the_second_quarters_peak():
     assert soak.bounded(_series([1.0] * 5), level)["bounded"] is None  # too few samples
 
 
-def test_log_state_reads_the_oldest_task_log_and_the_rotated_parts(tmp_path):
-    soak = _soak()
+def test_log_state_reads_the_oldest_task_log_and_the_rotated_parts(tmp_path, soak_bench):
+    soak = soak_bench
     task_log = tmp_path / "dag_id=d" / "run_id=r" / "task_id=t" / "attempt=1.log"
     task_log.parent.mkdir(parents=True)
     task_log.write_text("x")
@@ -51,8 +41,8 @@ def test_log_state_reads_the_oldest_task_log_and_the_rotated_parts(tmp_path):
     assert soak.log_state(tmp_path / "missing") == (None, 0)
 
 
-def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means():
-    soak = _soak()
+def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means(soak_bench):
+    soak = soak_bench
     # Run completions make the level swing (second quarter low, last quarter high) while
     # retention keeps every promise: bounded, with the swing reported beside the verdict.
     swinging = _series([0.6] * 10 + [0.6] * 10 + [1.0] * 10 + [1.2] * 10,
