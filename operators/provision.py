@@ -99,7 +99,9 @@ class ProvisionOperator(BaseOperator):
         self._request_memo = {"run_key": run_key, "tenant": spec.tenant, "pool": self.node_pool,
                               "nodes": spec.min_nodes + spec.spares, "up_to": spec.max_nodes + spec.spares,
                               "ttl": self.lease_ttl, "priority": spec.priority,
-                              "preemptible": spec.preemptible, "estimate": estimate}
+                              "preemptible": spec.preemptible, "estimate": estimate,
+                              # a pool of registered hosts places each node on a host of this many chips
+                              "chips": spec.nproc_per_node}
         return dict(self._request_memo)
 
     def _request(self, spec, run_key: str):
@@ -122,8 +124,8 @@ class ProvisionOperator(BaseOperator):
 
         dag_id, run_id = self.dag_id, context["run_id"]
         slots = spec.max_nodes + spec.spares
-        self.log.info("admitted %d of %d nodes of pool %r until %.0f", lease.nodes, slots, lease.pool,
-                      lease.expires)
+        self.log.info("admitted %d of %d nodes of pool %r until %.0f%s", lease.nodes, slots, lease.pool,
+                      lease.expires, f" on hosts {', '.join(lease.hosts)}" if lease.hosts else "")
         ws.create()
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
         SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator(),
@@ -135,7 +137,10 @@ class ProvisionOperator(BaseOperator):
         ti.xcom_push(key="plan", value=plan)
         ti.xcom_push(key="run_dir", value=str(ws.dir))
         ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
-        ti.xcom_push(key="admission", value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes})
+        # hosts: node slot i runs on hosts[i] (a pool of registered hosts; the executor routes
+        # each node task's try there, executors/placement.py)
+        ti.xcom_push(key="admission", value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes,
+                                             "hosts": list(lease.hosts)})
         self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s",
                       ws.dir, spec.nodes, spec.spares, spec.nproc_per_node, plan["queue"],
                       f"step {resume.step}" if resume else "scratch")

@@ -215,11 +215,23 @@ def worker(queues: str, pool: str | None, labels: list[str], concurrency: int, d
     return 1  # not reached
 
 
-def worker_argv(queues: str, concurrency: int) -> list[str]:
-    """``airflow celery worker`` for ``queues``, from this Python's environment."""
+def worker_argv(queues: str, concurrency: int, host: str | None = None) -> list[str]:
+    """``airflow celery worker`` for ``queues`` and this host's own queue of each chip queue
+    (``<queue>@<host>``: the node tasks trainflow placed on this host), from this Python's
+    environment."""
+    from trainflow.cluster.hosts import host_name
+
     airflow = Path(sys.executable).parent / "airflow"
-    return [str(airflow) if airflow.exists() else "airflow", "celery", "worker", "--queues", queues,
-            "--concurrency", str(concurrency)]
+    return [str(airflow) if airflow.exists() else "airflow", "celery", "worker", "--queues",
+            with_host_queues(queues, host or host_name()), "--concurrency", str(concurrency)]
+
+
+def with_host_queues(queues: str, host: str) -> str:
+    """``queues`` and, for each chip queue among them, its queue on ``host``."""
+    from trainflow.routing import host_queue
+
+    names = [q for q in queues.split(",") if q]
+    return ",".join(names + [host_queue(q, host) for q in names if q != "default" and "@" not in q])
 
 
 def pods(spec_path: str, node: int | None, dag_id: str, run_id: str) -> int:

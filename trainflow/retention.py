@@ -247,7 +247,7 @@ def state_rows(db=None) -> dict[str, int]:
     alloc, hosts = Allocator(db), HostRegistry(db)
     out = {}
     for store, tables in ((alloc, ("pools", "leases", "offline", "quotas", "waiting", "pool_policies",
-                                   "estimates", "run_history", "preemptible", "preemptions")),
+                                   "estimates", "run_history", "preemptible", "preemptions", "host_leases")),
                           (hosts, ("host_failures", "cordons", "inventory"))):
         with closing(store._connect()) as con:
             for t in tables:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from trainflow.chips.registry import FAMILIES, family_of_queue, queue_for
 
@@ -30,3 +30,23 @@ def node_queue(task_id: str, conf: Mapping[str, Any] | None, current: str | None
     if model is not None and (not isinstance(model, str) or (model and not _MODEL.match(model))):
         return None
     return queue_for(chip, model or None)
+
+
+def host_queue(queue: str, host: str) -> str:
+    """The queue of chip queue ``queue`` on one host: ``<queue>@<host>`` (the host's worker
+    consumes it beside ``queue``)."""
+    return f"{queue.split('@', 1)[0]}@{host}"
+
+
+def placed_queue(task_id: str, dag_id: str, run_id: str, map_index: int | None, try_number: int,
+                 queue: str, route: Callable[[str, str, int, int], str | None]) -> str | None:
+    """The host queue a try of a node task goes to, or None (it keeps ``queue``).
+
+    Args:
+        route: ``Allocator.route``: the host of (dag id, run id, node slot, try), or None
+            when the slot holds no host.
+    """
+    if task_id not in NODE_TASKS or map_index is None or map_index < 0:
+        return None
+    host = route(dag_id, run_id, map_index, try_number)
+    return None if host is None else host_queue(queue, host)

@@ -184,7 +184,8 @@ class EmbeddedStack:
             {"conn_type": "generic", "extra": {"sql_alchemy_conn": metadata}})
         if self.broker_url:
             env.update({
-                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                # the CeleryExecutor, routing node tasks to the hosts trainflow placed them on
+                "AIRFLOW__CORE__EXECUTOR": "executors.placement.PlacementCeleryExecutor",
                 "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
                 # SQLAlchemy 2.1 needs the driver named (DESIGN.md §3).
                 "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url,
@@ -266,7 +267,11 @@ class EmbeddedStack:
                     # each worker serves its task logs on a port of its own
                     "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
                     **worker.get("env", {})})
-        return [*worker.get("wrap", ()), self._airflow(), "celery", "worker", "--queues", worker["queues"],
+        from trainflow.cli import with_host_queues
+
+        # and its own queue of each chip queue, where trainflow's placement sends node tasks
+        queues = with_host_queues(worker["queues"], worker["name"])
+        return [*worker.get("wrap", ()), self._airflow(), "celery", "worker", "--queues", queues,
                 "--concurrency", str(worker.get("concurrency", 4)),
                 "--celery-hostname", f"{worker['name']}@%h",
                 "--pid", str(self.home / "run" / f"celery-{worker['name']}.pid")], env

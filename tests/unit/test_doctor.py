@@ -201,7 +201,8 @@ def test_worker_registers_the_host_in_its_pool_with_labels_then_runs_celery(tmp_
     first, command = done.stdout.strip().splitlines()
     assert json.loads(first) == {"queue": "hygon-dcu", "devices": 4, "healthy": True, "registered": "host-b",
                                  "pool": "dcu", "labels": {"rack": "r7"}}
-    assert command.endswith("airflow celery worker --queues default,hygon-dcu --concurrency 1")
+    # its chip queue, and its own queue of it: where trainflow places node tasks on this host
+    assert command.endswith("airflow celery worker --queues default,hygon-dcu,hygon-dcu@host-b --concurrency 1")
     (row,) = HostRegistry(tmp_path / "home" / "state.db").inventory(pool="dcu")
     assert (row["host"], row["queue"], row["devices"], row["labels"], row["cordoned"]) == \
         ("host-b", "hygon-dcu", 4, {"rack": "r7"}, None)

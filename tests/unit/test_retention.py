@@ -139,13 +139,15 @@ def test_stale_rows_go_live_ones_stay(state_target):
     alloc.admit("t/d/live", tenant="t", pool="p", nodes=1, ttl=3600, now=NOW)
     alloc.admit("t/d/dead", tenant="t", pool="p", nodes=1, ttl=60, now=NOW - 7200)
     alloc.lose_node("t/d/live", until=NOW - 1, reason="host gone")
+    hosts.register("h9", queue="cpu", family="cpu", devices=1, pool="hp")  # a pool of hosts
+    assert alloc.admit("t/d/gone", tenant="t", pool="hp", nodes=1, ttl=60, now=NOW - 7200).hosts == ("h9",)
     policy = CordonPolicy(failures=99, window_s=3600.0)
     hosts.record_failure("h1", reason="old", run_key="t/d/x", node=0, policy=policy, now=NOW - 8 * DAY)
     hosts.record_failure("h1", reason="new", run_key="t/d/y", node=0, policy=policy, now=NOW - 60)
     assert ret.state_rows(state_target)["host_failures"] == 2
     out = ret.prune_state(state_target, ret.Retention(), now=NOW)
-    assert out == {"leases": 1, "offline": 1, "waiting": 0, "estimates": 1, "preemptible": 0,
-                   "preemptions": 0, "host_failures": 1}
+    assert out == {"leases": 2, "offline": 1, "waiting": 0, "estimates": 1, "preemptible": 0,
+                   "preemptions": 0, "host_leases": 1, "host_failures": 1}
     rows = ret.state_rows(state_target)
     assert (rows["leases"], rows["offline"], rows["host_failures"], rows["pools"]) == (2, 0, 1, 1)
     assert (rows["estimates"], rows["preemptible"], rows["waiting"]) == (2, 1, 1)

@@ -93,7 +93,7 @@ def test_the_profile_switch():
            "TRAINFLOW_BROKER_URL": "redis://h:6379/0", "TRAINFLOW_STATE_DB": "postgresql://p@h/t"}
     stack = EmbeddedStack.from_env(env)
     assert [w["name"] for w in stack.workers] == ["control", "cpu-1", "cpu-2"]
-    assert stack.env()["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert stack.env()["AIRFLOW__CORE__EXECUTOR"] == "executors.placement.PlacementCeleryExecutor"
     assert stack.env()["AIRFLOW__CELERY__RESULT_BACKEND"] == "db+postgresql+psycopg2://p@h/a"
     assert stack.env()["TRAINFLOW_STATE_DB"] == "postgresql://p@h/t"
     with pytest.raises(ValueError, match="needs TRAINFLOW_BROKER_URL"):

@@ -40,11 +40,22 @@ CREATE TABLE IF NOT EXISTS run_history (
     scope TEXT NOT NULL, steps INTEGER NOT NULL, seconds REAL NOT NULL, ended REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS run_history_scope ON run_history (scope, ended);
+CREATE TABLE IF NOT EXISTS host_leases (
+    host TEXT PRIMARY KEY, run_key TEXT NOT NULL, dag_run TEXT NOT NULL, slot INTEGER NOT NULL,
+    pool TEXT NOT NULL, chips INTEGER NOT NULL, since REAL NOT NULL,
+    routed_try INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS host_leases_run ON host_leases (dag_run, slot);
 CREATE TABLE IF NOT EXISTS preemptions (
     run_key TEXT PRIMARY KEY, pool TEXT NOT NULL, by_key TEXT NOT NULL, at REAL NOT NULL,
     reason TEXT NOT NULL
 );
 """
+# host_leases: which registered host holds which node slot of which run (in pools made of
+# registered hosts; a pool sized by ``set_pool`` counts nodes). ``slot`` -1: the run lost
+# that host's node (the host stays out of placement until the run releases). ``routed_try``:
+# the node task's try the slot was last routed for (a later try may move to another host).
+# No SQL comments in these scripts: PostgreSQL runs them statement by statement.
 # The hosts' tables (``trainflow.cluster.hosts``), which the allocator reads too: a pool with
 # no size of its own (``set_pool``) has as many nodes as it has registered hosts that are not
 # cordoned.
@@ -187,6 +198,9 @@ class Lease:
     nodes: int
     granted: float
     expires: float
+    # The registered hosts of the run's node slots, slot order (a pool of registered hosts;
+    # empty for a pool sized by ``set_pool``, whose nodes Celery's queue picks).
+    hosts: tuple[str, ...] = ()
 
 
 def default_db() -> str:
@@ -328,9 +342,11 @@ class Allocator(StateDB):
                                     (pool,)).fetchall())
 
     def admit(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
-              up_to: int | None = None, now: float | None = None) -> Lease:
+              up_to: int | None = None, chips: int = 1, now: float | None = None) -> Lease:
         """Grant ``nodes`` of ``pool`` to ``run_key`` all-or-nothing (idempotent per run);
         with ``up_to``, as many more as are free, up to ``up_to`` in all (an elastic gang).
+        In a pool of registered hosts, the nodes are hosts with ``chips`` chips or more,
+        placed by ``trainflow.sched.capacity.place`` (``Lease.hosts``).
 
         Raises:
             SpecError: the pool is unknown or smaller than the request (it would never fit).
@@ -339,7 +355,7 @@ class Allocator(StateDB):
         now = time.time() if now is None else now
         up_to = max(nodes, up_to or nodes)
         with self._transaction() as con:
-            capacity = self._fitting_capacity(con, pool, nodes, now)
+            capacity = self._fitting_capacity(con, pool, nodes, now, chips)
             mine = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()
             if mine is None:
                 free = capacity - self._offline(con, pool, now) - self._used(con, pool)
@@ -347,16 +363,23 @@ class Allocator(StateDB):
                     raise AdmissionError(f"pool {pool!r}: {nodes} nodes asked, {max(free, 0)} of "
                                          f"{capacity} free")
                 granted = min(free, up_to)
+                hosts = None
+                if self._host_pool(con, pool):
+                    granted, hosts = self._place_gang(con, pool, nodes, granted, chips)
+                    if hosts is None:
+                        raise AdmissionError(f"pool {pool!r}: {self._no_room(con, pool, nodes, chips)}")
                 con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
                             (run_key, tenant, pool, granted, now, now + ttl))
+                if hosts:
+                    self._bind(con, run_key, pool, hosts, chips, now)
             else:
                 granted = mine[0]
                 con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
-        return Lease(run_key, tenant, pool, granted, now, now + ttl)
+            return Lease(run_key, tenant, pool, granted, now, now + ttl, self._hosts_of(con, run_key))
 
     def request(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
                 up_to: int | None = None, priority: int = 0, preemptible: bool = False,
-                estimate: float | None = None, now: float | None = None) -> "Lease | Waiting":
+                estimate: float | None = None, chips: int = 1, now: float | None = None) -> "Lease | Waiting":
         """Admit the gang in its turn: it is granted (as ``admit``) when the pool's queue
         order lets it start and it fits; otherwise it waits in the pool's queue and the
         answer says where and why. Call again to renew the wait and to be admitted once
@@ -386,11 +409,11 @@ class Allocator(StateDB):
         now = time.time() if now is None else now
         up_to = max(nodes, up_to or nodes)
         with self._transaction() as con:
-            capacity = self._fitting_capacity(con, pool, nodes, now)
+            capacity = self._fitting_capacity(con, pool, nodes, now, chips)
             if con.execute("SELECT 1 FROM leases WHERE run_key=?", (run_key,)).fetchone():
                 con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
                 granted = con.execute("SELECT nodes FROM leases WHERE run_key=?", (run_key,)).fetchone()[0]
-                return Lease(run_key, tenant, pool, granted, now, now + ttl)
+                return Lease(run_key, tenant, pool, granted, now, now + ttl, self._hosts_of(con, run_key))
             con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,))
             first = con.execute("SELECT submitted FROM waiting WHERE run_key=?", (run_key,)).fetchone()
             if estimate:
@@ -415,14 +438,21 @@ class Allocator(StateDB):
             if run_key in start:
                 ahead = sum(start[k] for k in start if k != run_key)  # granted in this same decision
                 granted = nodes + max(0, min(up_to - nodes, free - ahead - nodes))
+                hosts = None
+                if self._host_pool(con, pool):
+                    granted, hosts = self._place_gang(con, pool, nodes, granted, chips)
+                    if hosts is None:  # its turn, but no set of free hosts holds the gang
+                        return Waiting(run_key, pool, 1, f"pool {pool!r}: {self._no_room(con, pool, nodes, chips)}")
                 con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
                 con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
                             (run_key, tenant, pool, granted, now, now + ttl))
+                if hosts:
+                    self._bind(con, run_key, pool, hosts, chips, now)
                 if preemptible:
                     con.execute("INSERT INTO preemptible VALUES (?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
                                 "priority=excluded.priority, submitted=excluded.submitted",
                                 (run_key, priority, first[0] if first else now))
-                return Lease(run_key, tenant, pool, granted, now, now + ttl)
+                return Lease(run_key, tenant, pool, granted, now, now + ttl, tuple(hosts or ()))
             position, reason = why[run_key]
             return Waiting(run_key, pool, position, f"pool {pool!r}: {reason}")
 
@@ -448,9 +478,12 @@ class Allocator(StateDB):
         start, why, _ = _admissions(capacity, offline, leases, waiting, now, quotas, running)
         return sorted((r[0] for r in waiting), key=lambda k: (k not in start, why.get(k, (0,))[0]))
 
-    def grow(self, run_key: str, *, by: int = 1, now: float | None = None) -> bool:
+    def grow(self, run_key: str, *, by: int = 1, slot: int | None = None, host: str | None = None,
+             now: float | None = None) -> bool:
         """Add ``by`` nodes to the run's lease if they are free now; False otherwise (or if
-        the run holds no lease)."""
+        the run holds no lease). In a pool of registered hosts a node is a host for one
+        ``slot``: ``host`` (the one the slot's task runs on) if it is free and healthy,
+        else, without ``host``, a free one placed next to the run's other hosts."""
         now = time.time() if now is None else now
         with self._transaction() as con:
             row = con.execute("SELECT pool FROM leases WHERE run_key=? AND expires >= ?",
@@ -461,19 +494,158 @@ class Allocator(StateDB):
             free = self._capacity(con, pool) - self._offline(con, pool, now) - self._used(con, pool)
             if free < by:
                 return False
+            if self._host_pool(con, pool):
+                if by != 1 or slot is None:
+                    raise ValueError("a pool of registered hosts grows a run one slot at a time: give slot=")
+                chips = self._chips_of(con, run_key)
+                if host is not None:
+                    placed = [host] if any(h == host and d >= chips for h, d, _ in self._free_hosts(con, pool)) \
+                        else None
+                else:
+                    placed = self._place_hosts(con, pool, 1, chips, near=self._hosts_of(con, run_key))
+                if not placed:
+                    return False
+                self._bind(con, run_key, pool, placed, chips, now, first_slot=slot)
             con.execute("UPDATE leases SET nodes = nodes + ? WHERE run_key=?", (by, run_key))
             return True
 
-    def lose_node(self, run_key: str, *, until: float, reason: str) -> None:
+    # -- placement on registered hosts ----------------------------------------------------
+
+    @staticmethod
+    def _host_pool(con, pool: str) -> bool:
+        """A pool of registered hosts (no ``set_pool`` size): its nodes are placed on hosts."""
+        if con.execute("SELECT 1 FROM pools WHERE name=?", (pool,)).fetchone():
+            return False
+        return con.execute("SELECT 1 FROM inventory WHERE pool=? LIMIT 1", (pool,)).fetchone() is not None
+
+    @staticmethod
+    def _free_hosts(con, pool: str) -> list[tuple[str, int, str | None]]:
+        """The pool's hosts that are registered, not cordoned and held by no run: (host,
+        chips, rack label)."""
+        import json
+
+        rows = con.execute("SELECT host, devices, labels FROM inventory WHERE pool=? "
+                           "AND host NOT IN (SELECT host FROM cordons) "
+                           "AND host NOT IN (SELECT host FROM host_leases) ORDER BY host", (pool,)).fetchall()
+        return [(h, int(d), json.loads(labels or "{}").get("rack")) for h, d, labels in rows]
+
+    @classmethod
+    def _place_hosts(cls, con, pool: str, count: int, chips: int, near=()) -> list[str] | None:
+        """``count`` free hosts with ``chips`` chips or more (``trainflow.sched.capacity.place``:
+        fewest racks, best fit), those in the racks of the hosts ``near`` first; None if
+        there are not that many. Listed by rack, then name (a rack's hosts get adjacent
+        slots, so adjacent ranks)."""
+        import json
+
+        candidates = cls._free_hosts(con, pool)
+        if near:
+            marks = ", ".join("?" * len(near))
+            racks = {json.loads(r[0] or "{}").get("rack") for r in con.execute(
+                f"SELECT labels FROM inventory WHERE host IN ({marks})", tuple(near))} - {None}
+            if racks:
+                close = [c for c in candidates if c[2] in racks]
+                placed = cls._place_hosts_in(close, count, chips) if len(close) >= count else None
+                if placed:
+                    return placed
+        return cls._place_hosts_in(candidates, count, chips)
+
+    @staticmethod
+    def _place_hosts_in(candidates, count: int, chips: int) -> list[str] | None:
+        from trainflow.sched.capacity import FreeMap, place
+
+        if count <= 0 or len(candidates) < count:
+            return None
+        free = FreeMap([d for _, d, _ in candidates], max(d for _, d, _ in candidates))
+        racks = [r for _, _, r in candidates]
+        chosen = place(free, count, chips, racks if any(r is not None for r in racks) else None)
+        if chosen is None:
+            return None
+        return [h for r, h in sorted((candidates[i][2] or "", candidates[i][0]) for i in chosen)]
+
+    @classmethod
+    def _place_gang(cls, con, pool: str, nodes: int, granted: int, chips: int):
+        """Hosts for a gang of ``nodes`` to ``granted`` nodes: the most that can be placed
+        (at least ``nodes``) and where; ``(granted, None)`` if not even ``nodes`` fit."""
+        for count in range(granted, nodes - 1, -1):
+            hosts = cls._place_hosts(con, pool, count, chips)
+            if hosts:
+                return count, hosts
+        return granted, None
+
+    @classmethod
+    def _no_room(cls, con, pool: str, nodes: int, chips: int) -> str:
+        fit = sum(d >= chips for _, d, _ in cls._free_hosts(con, pool))
+        return (f"needs {nodes} host{'s' * (nodes != 1)} with {chips} chip{'s' * (chips != 1)} or more; "
+                f"{fit} free host{'s' * (fit != 1)} of the pool {'have' if fit != 1 else 'has'} that many")
+
+    @staticmethod
+    def _bind(con, run_key: str, pool: str, hosts, chips: int, now: float, first_slot: int = 0) -> None:
+        dag_run = run_key.split("/", 1)[1] if "/" in run_key else run_key
+        for i, host in enumerate(hosts):
+            con.execute("INSERT INTO host_leases (host, run_key, dag_run, slot, pool, chips, since, routed_try) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, 0)", (host, run_key, dag_run, first_slot + i, pool, chips, now))
+
+    @staticmethod
+    def _hosts_of(con, run_key: str) -> tuple[str, ...]:
+        return tuple(r[0] for r in con.execute("SELECT host FROM host_leases WHERE run_key=? AND slot >= 0 "
+                                               "ORDER BY slot", (run_key,)))
+
+    @staticmethod
+    def _chips_of(con, run_key: str) -> int:
+        row = con.execute("SELECT MAX(chips) FROM host_leases WHERE run_key=?", (run_key,)).fetchone()
+        return int(row[0]) if row and row[0] else 1
+
+    @staticmethod
+    def _sweep_hosts(con) -> int:
+        """Free the hosts of runs that hold no lease any more (released, expired, yielded)."""
+        return con.execute("DELETE FROM host_leases WHERE run_key NOT IN (SELECT run_key FROM leases)").rowcount
+
+    def placement(self, run_key: str) -> dict[int, str]:
+        """The run's node slots and their hosts (empty outside pools of registered hosts)."""
+        with closing(self._connect()) as con:
+            return dict(con.execute("SELECT slot, host FROM host_leases WHERE run_key=? AND slot >= 0",
+                                    (run_key,)).fetchall())
+
+    def route(self, dag_id: str, run_id: str, slot: int, try_number: int, now: float | None = None) -> str | None:
+        """The host a try of node task ``slot`` of a DAG run must run on, or None when the
+        slot holds no host (a pool sized by ``set_pool``, or an elastic slot still waiting
+        for capacity: it goes to its chip queue, and ``grow`` binds the host it runs on).
+
+        A later try than the one last routed (Airflow's retry after a failure) moves to a
+        free healthy host, in the run's racks first, if there is one: the host it failed
+        on (dead, or charged with the failure) is given back to the pool. Without a free
+        host the retry stays where it was.
+        """
+        now = time.time() if now is None else now
+        with self._transaction() as con:
+            row = con.execute("SELECT host, run_key, pool, chips, routed_try FROM host_leases "
+                              "WHERE dag_run=? AND slot=?", (f"{dag_id}/{run_id}", slot)).fetchone()
+            if row is None:
+                return None
+            host, run_key, pool, chips, routed = row
+            if routed and try_number > routed:
+                others = tuple(h for h in self._hosts_of(con, run_key) if h != host)
+                moved = self._place_hosts(con, pool, 1, chips, near=others or (host,))
+                if moved:
+                    con.execute("DELETE FROM host_leases WHERE host=?", (host,))
+                    self._bind(con, run_key, pool, moved, chips, now, first_slot=slot)
+                    host = moved[0]
+            con.execute("UPDATE host_leases SET routed_try=? WHERE host=?", (try_number, host))
+            return host
+
+    def lose_node(self, run_key: str, *, until: float, reason: str, slot: int | None = None) -> None:
         """One node of the run's lease is gone (its host failed): the lease shrinks by one
         and the pool counts the node offline until ``until`` or the run's ``release``,
-        whichever comes first (past that, the pool's size is its operator's to set)."""
+        whichever comes first (past that, the pool's size is its operator's to set). In a
+        pool of registered hosts, ``slot``'s host is held, out of placement, until then."""
         with self._transaction() as con:
             row = con.execute("SELECT pool FROM leases WHERE run_key=?", (run_key,)).fetchone()
             if row is None:
                 return
             con.execute("UPDATE leases SET nodes = CASE WHEN nodes > 0 THEN nodes - 1 ELSE 0 END "
                         "WHERE run_key=?", (run_key,))
+            if slot is not None:  # its host stays out of placement until the run releases
+                con.execute("UPDATE host_leases SET slot=-1 WHERE run_key=? AND slot=?", (run_key, slot))
             con.execute("INSERT INTO offline VALUES (?, ?, ?, ?)", (row[0], run_key, until, reason))
 
     def offline(self, pool: str, now: float | None = None) -> int:
@@ -492,14 +664,25 @@ class Allocator(StateDB):
                 con.execute("ROLLBACK")
                 raise
 
-    def _fitting_capacity(self, con, pool: str, nodes: int, now: float) -> int:
-        """The pool's size, once a request of ``nodes`` is known to fit it when idle (expired
-        leases are dropped on the way)."""
+    def _fitting_capacity(self, con, pool: str, nodes: int, now: float, chips: int = 1) -> int:
+        """The pool's size, once a request of ``nodes`` (of ``chips`` each, in a pool of
+        registered hosts) is known to fit it when idle (expired leases are dropped on the way)."""
         capacity = self._capacity(con, pool)
         if nodes > capacity:
             raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
                             f"ask for at most {capacity}")
+        if chips > 1 and self._host_pool(con, pool):
+            sizes = [r[0] for r in con.execute("SELECT devices FROM inventory WHERE pool=? "
+                                               "AND host NOT IN (SELECT host FROM cordons)", (pool,))]
+            if not any(d >= chips for d in sizes):
+                raise SpecError("nproc_per_node", chips, f"no healthy host of pool {pool!r} has {chips} chips "
+                                f"(the most: {max(sizes, default=0)}); ask for at most {max(sizes, default=0)}")
+            fit = sum(d >= chips for d in sizes)
+            if nodes > fit:
+                raise SpecError("nodes", nodes, f"pool {pool!r} has only {fit} hosts with {chips} chips or more "
+                                f"(healthy); ask for at most {fit}")
         con.execute("DELETE FROM leases WHERE expires < ?", (now,))
+        self._sweep_hosts(con)
         return capacity
 
     @staticmethod
@@ -566,6 +749,7 @@ class Allocator(StateDB):
             meta = con.execute("SELECT priority, submitted FROM preemptible WHERE run_key=?", (run_key,)).fetchone()
             con.execute("DELETE FROM leases WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM offline WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM host_leases WHERE run_key=?", (run_key,))
             if lease is not None:
                 prio, submitted = meta if meta is not None else (0, now)
                 con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
@@ -594,6 +778,7 @@ class Allocator(StateDB):
             con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM preemptible WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM preemptions WHERE run_key=?", (run_key,))
+            con.execute("DELETE FROM host_leases WHERE run_key=?", (run_key,))
             return con.execute("DELETE FROM leases WHERE run_key=?", (run_key,)).rowcount > 0
 
     def prune(self, now: float | None = None) -> dict[str, int]:
@@ -608,6 +793,7 @@ class Allocator(StateDB):
                    "waiting": con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,)).rowcount}
             for table in ("estimates", "preemptible", "preemptions"):
                 out[table] = con.execute(f"DELETE FROM {table} WHERE {live}").rowcount
+            out["host_leases"] = self._sweep_hosts(con)
         return out
 
     def leases(self, pool: str | None = None, now: float | None = None) -> list[Lease]:
@@ -615,4 +801,7 @@ class Allocator(StateDB):
         with closing(self._connect()) as con:
             rows = con.execute("SELECT * FROM leases WHERE expires >= ?" + (" AND pool=?" if pool else ""),
                                (now, pool) if pool else (now,)).fetchall()
-        return [Lease(*r) for r in rows]
+            hosts = {}
+            for host, key in con.execute("SELECT host, run_key FROM host_leases WHERE slot >= 0 ORDER BY slot"):
+                hosts.setdefault(key, []).append(host)
+        return [Lease(*r, hosts=tuple(hosts.get(r[0], ()))) for r in rows]

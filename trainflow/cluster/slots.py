@@ -89,7 +89,8 @@ class SlotLeases:
         if self.holds(node):
             until = info.get("until")
             self.allocator.lose_node(self.run_key, until=math.inf if until is None else float(until),
-                                     reason=f"{self.run_key} node {node}: {info.get('reason', 'lost')}")
+                                     reason=f"{self.run_key} node {node}: {info.get('reason', 'lost')}",
+                                     slot=node)
             self._held(node).unlink(missing_ok=True)
             record(self.run_dir, "node_lost", node=node, until=until, reason=info.get("reason"))
         os.replace(lost, lost.with_suffix(".settled"))
@@ -99,7 +100,10 @@ class SlotLeases:
         """Take one more node of the pool for slot ``node`` if one is free now."""
         if self.holds(node):
             return True
-        if not self.allocator.grow(self.run_key):
+        from trainflow.cluster.hosts import host_name
+
+        # In a pool of registered hosts the node is this host: the slot's task runs here.
+        if not self.allocator.grow(self.run_key, slot=node, host=host_name()):
             return False
         self._held(node).touch()
         record(self.run_dir, "capacity_acquired", node=node)

@@ -1,0 +1,2 @@
+"""Airflow executors shipped with trainflow (thin: the placement decisions are
+``trainflow.cluster.allocator.Allocator.route``)."""
