@@ -15,6 +15,11 @@ serves the ``default`` queue for the control tasks from the machine itself.
   verified copy in S3; the final weights equal the clean run's.
 - The broker (a Redis server of the test's own, append-only file on, as a production broker
   runs) restarts while a gang trains: the run still completes.
+- Placement on hosts by rack (a DAG admitted from the pool of the registered ``cpu`` hosts,
+  two racks of two): a 2-node run gets one rack, a 1-node run the other; each node task
+  runs on the host it was placed on (the executor routes it to ``cpu@<host>``); when a
+  placed host dies, the retry goes to the rack's free host, and the run ends with the clean
+  run's weights.
 
 A machine where namespaces cannot be made fails this module with the reason."""
 
@@ -35,6 +40,18 @@ pytestmark = pytest.mark.e2e
 DAG = "train_digits"
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 HOSTS = ("host-a", "host-b", "host-c", "host-d")
+RACKS = {"host-a": "r1", "host-b": "r1", "host-c": "r2", "host-d": "r2"}
+# train_digits admitted from the pool of the registered ``cpu`` hosts, placed on them.
+PLACED = "train_digits_placed"
+# (The docstring's words "Airflow" and "DAG" make Airflow's safe mode parse the file.)
+PLACED_DAG = f"""\"\"\"Airflow DAG: train_digits placed on the registered cpu hosts.\"\"\"
+
+from operators.dag_factory import training_dag
+
+dag = training_dag("{PLACED}", defaults={{"workload": "digits", "nodes": 2, "steps": 300, "batch_size": 32,
+                                        "lr": 0.003, "checkpoint_interval": 50}},
+                   node_pool="cpu", description="train_digits, placed on registered hosts")
+"""
 # The clean run and the run that loses a host: same conf, so the same final weights.
 CONF = {"steps": 600, "checkpoint_interval": 100, "keep_last": 2, "seed": 5,
         "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0, "startup_timeout": 240.0}
@@ -93,6 +110,10 @@ def dist_stack(tmp_path_factory, s3_server):
     admin = _database(meta)
     admin.cursor().execute(f"CREATE DATABASE {state}")
     root = tmp_path_factory.mktemp("dist")
+    dags = root / "dags"
+    dags.mkdir()
+    (dags / "train_digits.py").symlink_to(Path(__file__).resolve().parents[2] / "dags" / "train_digits.py")
+    (dags / f"{PLACED}.py").write_text(PLACED_DAG)
     broker = RedisServer(root).start()
     port = free_port()
     try:
@@ -101,7 +122,7 @@ def dist_stack(tmp_path_factory, s3_server):
         broker.stop()
         pytest.fail(f"the distributed e2e needs network namespaces for its hosts: {exc}")
     stack = EmbeddedStack(
-        home=root / "airflow", trainflow_home=root / "trainflow", port=port,
+        home=root / "airflow", trainflow_home=root / "trainflow", port=port, dags_folder=dags,
         database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
         broker_url=broker.url,
         state_db=f"postgresql://postgres@127.0.0.1:5432/{state}",
@@ -341,3 +362,96 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
             (run_id, resumed, first, floor)
         assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_weights, run_id
     assert allocator.leases() == []
+
+
+def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free_host(dist_stack, clean,
+                                                                                    run_to_end):
+    """The ``cpu`` hosts are registered in two racks. Run A (2 nodes) is placed in one rack,
+    then run B (1 node) on a host of the other; every node task runs on its placed host
+    (routed to ``cpu@<host>`` by the executor), never on another run's. A's node 1 host then
+    dies (every process in its namespace SIGKILLed): Airflow retries the task, the executor
+    moves the try to the one free host (in the other rack: A's own rack has none), and A
+    ends with the clean run's weights; every host lease is released."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from trainflow.checkpoint import manifest
+    from trainflow.cli_runs import cmd_cancel
+    from trainflow.cluster.hosts import HostRegistry
+
+    client, clean_id = clean
+    registry = HostRegistry(dist_stack.state_db)
+    cpus = os.cpu_count() or 1
+    for host, rack in RACKS.items():
+        registry.register(host, queue="cpu", family="cpu", devices=cpus, pool="cpu", labels={"rack": rack})
+    allocator = Allocator(dist_stack.state_db)
+    client.wait_for_dag(PLACED, timeout=180)
+    client.unpause(PLACED)
+    a, b = "placed-a", "placed-b"
+    client.trigger(PLACED, {**CONF, "tenant": "place-a"}, run_id=a)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(allocator.placement(f"place-a/{PLACED}/{a}")) < 2:
+        time.sleep(0.5)
+    a_hosts = allocator.placement(f"place-a/{PLACED}/{a}")
+    assert len(a_hosts) == 2 and len({RACKS[h] for h in a_hosts.values()}) == 1, a_hosts
+    # B trains until it is cancelled, so it holds its host through A's retry.
+    client.trigger(PLACED, {**CONF, "tenant": "place-b", "nodes": 1, "steps": 10**6}, run_id=b)
+
+    run_dir = Path(dist_stack.trainflow_home) / "runs" / "place-a" / PLACED / a
+    killed: dict = {}
+
+    def kill_node_1_host() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline and not ((ref := manifest.newest_verified(run_dir / "checkpoints"))
+                                              and ref.step >= 200):
+            time.sleep(0.5)
+        host = _host_of_node(dist_stack.net, 1, a)
+        if host is None:
+            return
+        killed["free"] = sorted(set(HOSTS) - set(allocator.placement(f"place-a/{PLACED}/{a}").values())
+                                - set(allocator.placement(f"place-b/{PLACED}/{b}").values()))
+        for pid in dist_stack.net.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed["host"] = host
+    killer = threading.Thread(target=kill_node_1_host, daemon=True)
+    killer.start()
+    try:
+        run = client.wait_run(PLACED, a, timeout=1200)
+        killer.join(timeout=5)
+        states = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"])
+                  for t in client.task_instances(PLACED, a)}
+        assert run["state"] == "success", states
+        b_marker = json.loads((run_dir.parents[2] / "place-b" / PLACED / b / "nodes" / "task-0000.json").read_text())
+        assert b_marker["try"] == 1 and "ended" not in b_marker  # B still trains, on its first try
+    finally:
+        cmd_cancel(client, SimpleNamespace(dag=PLACED, run_id=b))
+        dist_stack.start()  # the dead host comes back for the next test
+    assert client.wait_run(PLACED, b, timeout=300)["state"] == "failed"
+    assert killed.get("host") == a_hosts[1], (killed, a_hosts)
+
+    b_admission = client.xcom(PLACED, b, "provision", "admission")
+    (b_host,) = b_admission["hosts"]
+    assert RACKS[b_host] != RACKS[a_hosts[0]]  # the other rack
+    assert client.xcom(PLACED, a, "provision", "admission")["hosts"] == [a_hosts[0], a_hosts[1]]
+    # Each node task ran on its placed host: node 0 of A, B's node, and A's node 1 after the
+    # retry on the one host that was free when its host died.
+    assert client.xcom(PLACED, a, "shard_train", map_index=0)["host"] == a_hosts[0]
+    assert b_marker["host"] == b_host
+    assert killed["free"] and len(killed["free"]) == 1 and RACKS[killed["free"][0]] != RACKS[a_hosts[1]]
+    assert states[("shard_train", 1)][1] >= 2
+    retried_on = client.xcom(PLACED, a, "shard_train", map_index=1)["host"]
+    assert retried_on == killed["free"][0] and retried_on not in (*a_hosts.values(), b_host)
+    assert client.xcom(PLACED, a, "evaluate", "metrics")["weights_sha256"] == \
+        client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
+    deadline = time.time() + 120  # B's release teardown runs after the cancel
+    while time.time() < deadline and allocator.leases():
+        time.sleep(1)
+    assert allocator.leases() == [] and allocator.placement(f"place-a/{PLACED}/{a}") == {}
+    assert allocator.placement(f"place-b/{PLACED}/{b}") == {}

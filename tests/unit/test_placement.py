@@ -86,17 +86,58 @@ def test_a_try_is_routed_to_its_host_and_a_retry_moves_to_a_free_host_in_the_run
     assert alloc.route("d", "run", 0, 1) == "a1"  # the same try queued again: same host
     assert alloc.route("d", "run", 2, 1) is None  # no such slot
     assert alloc.route("d", "other", 0, 1) is None
-    # Try 2 of node 1 (its host died or failed it): no free host in r1, so one of r2.
-    moved = alloc.route("d", "run", 1, 2)
-    assert moved in ("b1", "b2", "b3")
+    asked = []
+
+    def lost(run_key, slot, try_number):
+        asked.append((run_key, slot, try_number))
+        return slot == 1  # node 1's try was lost with its host; node 0's failed in order
+
+    # Try 2 of node 0 (its gang restarted): its host answered, it stays.
+    assert alloc.route("d", "run", 0, 2, lost=lost) == "a1"
+    # Try 2 of node 1 (lost with its host): no free host in r1, so one of r2.
+    moved = alloc.route("d", "run", 1, 2, lost=lost)
+    assert moved in ("b1", "b2", "b3") and asked == [("t/d/run", 0, 1), ("t/d/run", 1, 1)]
     assert alloc.placement("t/d/run") == {0: "a1", 1: moved}
-    assert alloc.route("d", "run", 1, 2) == moved
+    assert alloc.route("d", "run", 1, 2, lost=lost) == moved  # the same try again: not asked again
+    assert len(asked) == 2
     # a2 is free again: another run can have it.
     assert "a2" in _ask(alloc, "u/d/next", 1, 1).hosts
-    # No free host at all: the retry stays where it is.
-    _ask(alloc, "u/d/rest", 1, 2)
-    _ask(alloc, "u/d/last", 1, 3)
+    # A cordoned host is suspect whatever its try did; but with no free host at all, the
+    # retry stays where it is.
+    assert len(_ask(alloc, "u/d/rest", 2, 2).hosts) == 2
+    HostRegistry(alloc.db).cordon("a1", reason="ECC errors")
+    assert alloc.route("d", "run", 0, 3, lost=lost) == "a1"
+    alloc.release("u/d/rest")
+    assert alloc.route("d", "run", 0, 4, lost=lost) in ("b1", "b2", "b3")
+
+
+def test_a_try_is_lost_when_it_never_began_or_never_ended(tmp_path):
+    from trainflow.cluster.nodes import try_lost
+    from trainflow.workspace import write_json_atomic
+
+    marker = tmp_path / "nodes" / "task-0001.json"
+    assert try_lost(tmp_path, 1, 1)  # never began
+    marker.parent.mkdir()
+    write_json_atomic(marker, {"host": "a1", "try": 1, "pid": 7})
+    assert try_lost(tmp_path, 1, 1)  # began, never ended: killed with its host
+    assert try_lost(tmp_path, 1, 2)  # try 2 never began
+    write_json_atomic(marker, {"host": "a1", "try": 2, "ended": "exit 1"})
+    assert not try_lost(tmp_path, 1, 2)
+
+
+def test_the_default_judge_reads_the_run_workspace(state_target, hosts, tmp_path, monkeypatch):
+    from trainflow.workspace import write_json_atomic
+
+    monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path))
+    alloc = Allocator(state_target)
+    _ask(alloc, "t/d/run", 2, 0, chips=8)
+    assert alloc.route("d", "run", 0, 1) == "a1" and alloc.route("d", "run", 1, 1) == "a2"
+    nodes = tmp_path / "runs" / "t" / "d" / "run" / "nodes"
+    nodes.mkdir(parents=True)
+    write_json_atomic(nodes / "task-0000.json", {"host": "a1", "try": 1, "ended": "replaced"})
+    write_json_atomic(nodes / "task-0001.json", {"host": "a2", "try": 1, "pid": 9})
     assert alloc.route("d", "run", 0, 2) == "a1"
+    assert alloc.route("d", "run", 1, 2) in ("b1", "b2", "b3")
 
 
 def test_a_lost_node_keeps_its_host_out_of_placement_until_the_run_releases(alloc):

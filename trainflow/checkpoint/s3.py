@@ -99,10 +99,47 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.strip("/")
 
 
-def _after(future, fn, *args):
-    """``fn(*args)`` once ``future`` is done (re-raising its error)."""
-    future.result()
-    return fn(*args)
+class _HashingSink:
+    """A download target that hashes its bytes as they arrive. It is not seekable, so the
+    transfer writes each file's ranges in order (its parallel ranged GETs go on); the
+    SHA-256 runs on a thread of the file's own, so the files' digests are computed side by
+    side while the download goes on, instead of reading every file again after it."""
+
+    PENDING_CHUNKS = 256  # at most this many chunks (256 KiB each by default) wait for the hash
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        self.fh = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.room = threading.Semaphore(self.PENDING_CHUNKS)
+        self.hasher = ThreadPoolExecutor(max_workers=1)  # one thread: updates stay in order
+
+    def write(self, data) -> int:
+        n = self.fh.write(data)
+        self.size += len(data)
+        self.room.acquire()
+        self.hasher.submit(self._update, data)
+        return n
+
+    def _update(self, data) -> None:
+        try:
+            self.sha.update(data)
+        finally:
+            self.room.release()
+
+    def seekable(self) -> bool:
+        return False
+
+    def finish(self) -> tuple[str, int]:
+        """Close; the file's SHA-256 and size."""
+        self.close()
+        return self.sha.hexdigest(), self.size
+
+    def close(self) -> None:
+        self.hasher.shutdown(wait=True)
+        self.fh.close()
 
 
 def _b64(hex_digest: str) -> str:
@@ -230,19 +267,22 @@ class S3Store:
         tmp = manifest.partial_dir(dest_root, step).with_name(f"step-{step:08d}.download-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        sinks: dict[str, _HashingSink] = {}
         try:
-            # Each file is hashed as soon as it is down, while the others still download.
-            with self._manager() as tm, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as hashers:
-                pending = {}
+            # Every file is hashed while it downloads (_HashingSink).
+            with self._manager() as tm:
+                pending = []
                 for rel in sorted(files):
                     if ".." in Path(rel).parts or rel.startswith("/"):
                         raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    pending[rel] = tm.download(self.bucket, self._key(step, rel), str(tmp / rel))
-                digests = {rel: hashers.submit(_after, fut, manifest.sha256_file, tmp / rel)
-                           for rel, fut in pending.items()}
-                bad = [rel for rel, d in digests.items()
-                       if d.result() != files[rel]["sha256"] or (tmp / rel).stat().st_size != files[rel]["size"]]
+                    sinks[rel] = _HashingSink(tmp / rel)
+                    pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel]))
+                for fut in pending:
+                    fut.result()
+            digests = {rel: sink.finish() for rel, sink in sinks.items()}
+            bad = [rel for rel, (sha, size) in digests.items()
+                   if sha != files[rel]["sha256"] or size != files[rel]["size"]]
             if bad:
                 raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
                                       f"its manifest: {', '.join(sorted(bad)[:5])}")
@@ -263,6 +303,8 @@ class S3Store:
                 if done is None or done.manifest_sha256 != ref.manifest_sha256:
                     raise
         finally:
+            for sink in sinks.values():
+                sink.close()
             shutil.rmtree(tmp, ignore_errors=True)
         return ref
 

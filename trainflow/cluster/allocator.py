@@ -600,21 +600,37 @@ class Allocator(StateDB):
         """Free the hosts of runs that hold no lease any more (released, expired, yielded)."""
         return con.execute("DELETE FROM host_leases WHERE run_key NOT IN (SELECT run_key FROM leases)").rowcount
 
+    @staticmethod
+    def _suspect(con, host: str, run_key: str, slot: int, routed: int, lost) -> bool:
+        if con.execute("SELECT 1 FROM cordons WHERE host=?", (host,)).fetchone() or \
+                not con.execute("SELECT 1 FROM inventory WHERE host=?", (host,)).fetchone():
+            return True
+        if lost is None:
+            from trainflow.cluster.nodes import try_lost
+            from trainflow.workspace import default_root
+
+            return try_lost(default_root() / run_key, slot, routed)
+        return bool(lost(run_key, slot, routed))
+
     def placement(self, run_key: str) -> dict[int, str]:
         """The run's node slots and their hosts (empty outside pools of registered hosts)."""
         with closing(self._connect()) as con:
             return dict(con.execute("SELECT slot, host FROM host_leases WHERE run_key=? AND slot >= 0",
                                     (run_key,)).fetchall())
 
-    def route(self, dag_id: str, run_id: str, slot: int, try_number: int, now: float | None = None) -> str | None:
+    def route(self, dag_id: str, run_id: str, slot: int, try_number: int, now: float | None = None,
+              lost=None) -> str | None:
         """The host a try of node task ``slot`` of a DAG run must run on, or None when the
         slot holds no host (a pool sized by ``set_pool``, or an elastic slot still waiting
         for capacity: it goes to its chip queue, and ``grow`` binds the host it runs on).
 
-        A later try than the one last routed (Airflow's retry after a failure) moves to a
-        free healthy host, in the run's racks first, if there is one: the host it failed
-        on (dead, or charged with the failure) is given back to the pool. Without a free
-        host the retry stays where it was.
+        A later try than the one last routed (Airflow's retry) moves to a free healthy
+        host, in the run's racks first, when its host is suspect: the try before it was
+        lost there (``lost(run_key, slot, try)``, default ``trainflow.cluster.nodes.try_lost``
+        on the run's workspace: it never began or never ended), or the host is cordoned or
+        no longer registered. The suspect host goes back to the pool. A try that failed in
+        order (its gang restarted) stays on its host, and so does a retry when no host is
+        free.
         """
         now = time.time() if now is None else now
         with self._transaction() as con:
@@ -623,7 +639,7 @@ class Allocator(StateDB):
             if row is None:
                 return None
             host, run_key, pool, chips, routed = row
-            if routed and try_number > routed:
+            if routed and try_number > routed and self._suspect(con, host, run_key, slot, routed, lost):
                 others = tuple(h for h in self._hosts_of(con, run_key) if h != host)
                 moved = self._place_hosts(con, pool, 1, chips, near=others or (host,))
                 if moved:

@@ -24,6 +24,18 @@ from trainflow.workspace import write_json_atomic
 log = logging.getLogger(__name__)
 
 
+def try_lost(run_dir: Path, node: int, try_number: int) -> bool:
+    """Whether try ``try_number`` of node ``node`` was lost with its host: it never began
+    (no marker of it: its host never took it) or began and never ended (killed without a
+    word: a dead host, a SIGKILL). A try that ended, even failed, was not lost: its host
+    answered, and the host's failure record and cordon judge it."""
+    try:
+        last = json.loads((Path(run_dir) / "nodes" / f"task-{node:04d}.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return int(last.get("try", 0)) < try_number or "ended" not in last
+
+
 class NodeTry:
     """Try ``try_number`` of node ``node`` of the run planned in ``plan``."""
 
