@@ -543,8 +543,7 @@ class Allocator(StateDB):
             racks = {json.loads(r[0] or "{}").get("rack") for r in con.execute(
                 f"SELECT labels FROM inventory WHERE host IN ({marks})", tuple(near))} - {None}
             if racks:
-                close = [c for c in candidates if c[2] in racks]
-                placed = cls._place_hosts_in(close, count, chips) if len(close) >= count else None
+                placed = cls._place_hosts_in([c for c in candidates if c[2] in racks], count, chips)
                 if placed:
                     return placed
         return cls._place_hosts_in(candidates, count, chips)
