@@ -80,6 +80,13 @@ POOL_POLICIES = ("priority", "fifo", "backfill")
 HISTORY_KEEP, HISTORY_USE = 20, 5
 
 
+def _rack(labels: str | None) -> str | None:
+    """A host's ``rack`` label, from its inventory row's labels (JSON)."""
+    import json
+
+    return json.loads(labels or "{}").get("rack")
+
+
 def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas: dict[str, int] | None = None,
                 preemptible: dict[str, tuple[int, float]] | None = None, policy: str = "priority",
                 estimates: dict[str, float] | None = None):
@@ -522,12 +529,10 @@ class Allocator(StateDB):
     def _free_hosts(con, pool: str) -> list[tuple[str, int, str | None]]:
         """The pool's hosts that are registered, not cordoned and held by no run: (host,
         chips, rack label)."""
-        import json
-
         rows = con.execute("SELECT host, devices, labels FROM inventory WHERE pool=? "
                            "AND host NOT IN (SELECT host FROM cordons) "
                            "AND host NOT IN (SELECT host FROM host_leases) ORDER BY host", (pool,)).fetchall()
-        return [(h, int(d), json.loads(labels or "{}").get("rack")) for h, d, labels in rows]
+        return [(h, int(d), _rack(labels)) for h, d, labels in rows]
 
     @classmethod
     def _place_hosts(cls, con, pool: str, count: int, chips: int, near=()) -> list[str] | None:
@@ -535,12 +540,10 @@ class Allocator(StateDB):
         fewest racks, best fit), those in the racks of the hosts ``near`` first; None if
         there are not that many. Listed by rack, then name (a rack's hosts get adjacent
         slots, so adjacent ranks)."""
-        import json
-
         candidates = cls._free_hosts(con, pool)
         if near:
             marks = ", ".join("?" * len(near))
-            racks = {json.loads(r[0] or "{}").get("rack") for r in con.execute(
+            racks = {_rack(r[0]) for r in con.execute(
                 f"SELECT labels FROM inventory WHERE host IN ({marks})", tuple(near))} - {None}
             if racks:
                 placed = cls._place_hosts_in([c for c in candidates if c[2] in racks], count, chips)
