@@ -26,6 +26,7 @@ A machine where namespaces cannot be made fails this module with the reason."""
 from __future__ import annotations
 
 import uuid
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,24 @@ def test_a_gang_runs_across_namespaced_hosts_on_postgres_redis_and_s3(dist_stack
     assert allocator.leases() == []
     plan = client.xcom(DAG, run_id, "provision", "plan")
     assert plan["rendezvous"]["endpoint"] == dist_stack.state_db
+
+
+def _diagnosis(client, allocator, stack, dag_id: str, run_id: str, run_dir: Path) -> str:
+    """What a stuck run looked like: its task tries (state, queue, host), the host leases with
+    the try each slot was last routed for, the node markers and the tail of each agent log."""
+    lines = [f"{t['task_id']}[{t['map_index']}] {t['state']} try={t['try_number']} queue={t['queue']} "
+             f"host={t['hostname']}" for t in client.task_instances(dag_id, run_id)]
+    with closing(allocator._connect()) as con:
+        lines += [f"host_lease {row}" for row in con.execute("SELECT * FROM host_leases")]
+        lines += [f"cordon {row}" for row in con.execute("SELECT * FROM cordons")]
+    for path in sorted((run_dir / "nodes").glob("*.json")) + sorted((run_dir / "logs").glob("*.log")):
+        lines += [f"--- {path.name}", *path.read_text(errors="replace").splitlines()[-15:]]
+    log = Path(stack.home) / "logs" / "scheduler.log"
+    if log.exists():
+        lines += ["--- scheduler.log (placement)",
+                  *[x for x in log.read_text(errors="replace").splitlines() if "placed by trainflow" in x
+                    or "placement of" in x][-20:]]
+    return "\n".join(lines)
 
 
 def _host_of_node(net: HostNetwork, node: int, run_id: str) -> str | None:
@@ -387,6 +406,9 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
     registry = HostRegistry(dist_stack.state_db)
     cpus = os.cpu_count() or 1
     for host, rack in RACKS.items():
+        # The earlier tests' kills and whole-stack stops charged failures to these hosts
+        # (three in ten minutes cordon one): this test starts from four healthy hosts.
+        registry.uncordon(host)
         registry.register(host, queue="cpu", family="cpu", devices=cpus, pool="cpu", labels={"rack": rack})
     allocator = Allocator(dist_stack.state_db)
     client.wait_for_dag(PLACED, timeout=180)
@@ -423,11 +445,17 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
     killer = threading.Thread(target=kill_node_1_host, daemon=True)
     killer.start()
     try:
-        run = client.wait_run(PLACED, a, timeout=1200)
+        try:
+            run = client.wait_run(PLACED, a, timeout=1200)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}; killed {killed}; placement {a_hosts}\n"
+                        + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
         killer.join(timeout=5)
         states = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"])
                   for t in client.task_instances(PLACED, a)}
-        assert run["state"] == "success", states
+        if run["state"] != "success":
+            pytest.fail(f"run {a} {run['state']}; killed {killed}; placement {a_hosts}\n"
+                        + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
         b_marker = json.loads((run_dir.parents[2] / "place-b" / PLACED / b / "nodes" / "task-0000.json").read_text())
         assert b_marker["try"] == 1 and "ended" not in b_marker  # B still trains, on its first try
     finally:

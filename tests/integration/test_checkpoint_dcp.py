@@ -128,7 +128,7 @@ def _worker(out: Path) -> None:
     if rank == 0:
         files = manifest.read_manifest(Path(path))["files"]
         seen["sync_ref_is_verified_ref"] = ref == manifest.verify(Path(path))
-        seen["manifest_files"] = {rel: [meta["size"], meta["sha256"], manifest.sha256_file(Path(path) / rel)]
+        seen["manifest_files"] = {rel: [meta["size"], meta["blake3"], manifest.file_digest(Path(path) / rel)]
                                   for rel, meta in files.items()}
 
     # Older checkpoints are deleted in the background, down to keep_last.
@@ -241,7 +241,7 @@ def test_round_trip_is_bit_exact(seen, key):
     assert seen[0][key] is True and seen[1][key] is True
 
 
-def test_writer_digests_are_the_files_sha256_and_every_rank_writes_its_share(seen):
+def test_writer_digests_are_the_files_blake3_and_every_rank_writes_its_share(seen):
     files = seen[0]["manifest_files"]
     assert set(files) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
     for size, recorded, on_disk in files.values():

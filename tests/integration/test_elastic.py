@@ -94,7 +94,10 @@ def test_gang_shrinks_when_a_node_is_lost_for_good_then_grows_back(tmp_path, age
     assert shrink["change"] == "shrink" and (shrink["world_from"], shrink["world_to"]) == (3, 2), shrink
     assert shrink["left"] == [lost]
     resumed_at = shrink["step"]
-    assert resumed_at % spec.checkpoint_interval == 0 and 60 <= resumed_at <= 70
+    # the newest checkpoint committed by then: 60, or 40 when the async save of 60 was still
+    # in flight when the node died (one save at a time)
+    committed = [e["step"] for e in _events(run, "checkpoint_committed") if e["time"] <= shrink["time"]]
+    assert resumed_at == max(committed) in (40, 60)
     # capacity returns: the node asks to join and the gang grows at its next checkpoint
     agents.append(start_agent(plan, lost, log_dir=run / "logs"))
     ends = [p.wait(timeout=300) for i, p in enumerate(agents) if i != lost]

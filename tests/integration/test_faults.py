@@ -35,7 +35,12 @@ def test_killed_rank_restarts_in_node_and_ends_bit_identical(tmp_path, clean_dig
     (fault,) = _events(tmp_path, "fault_injected")
     resumed = _events(tmp_path, "resumed")
     assert fault["kind"] == "kill_rank" and fault["step"] == 250
-    assert resumed and 0 <= fault["step"] - 1 - resumed[-1]["step"] < spec.checkpoint_interval
+    # The gang resumed from the newest checkpoint committed by then. Saves are asynchronous,
+    # one in flight at a time: the one started at step 240 may not have committed when rank 1
+    # died (a loaded machine), and then 220 is the newest; lost work stays under two intervals.
+    committed = [e["step"] for e in _events(tmp_path, "checkpoint_committed") if e["time"] <= resumed[-1]["time"]]
+    assert resumed and resumed[-1]["step"] == max(committed) in (220, 240)
+    assert 0 <= fault["step"] - 1 - resumed[-1]["step"] < 2 * spec.checkpoint_interval
 
 
 def test_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path, clean_digest):

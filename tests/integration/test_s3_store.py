@@ -162,15 +162,42 @@ def test_store_uris_are_validated():
         S3Store(None, "b", "a/../c", tenant="t", dag_id="d", run_id="r")
 
 
-def test_the_server_refuses_bytes_that_do_not_match_the_manifest(tmp_path, s3_server):
-    """A single-part object goes up with the manifest's SHA-256: a local file that changed
-    after its manifest was written is refused by the server itself, and no manifest lands."""
+@pytest.mark.parametrize("changed", ["__1_0.distcp", "__0_0.distcp"], ids=["single-part", "multipart"])
+def test_bytes_that_do_not_match_the_manifest_are_refused_and_no_manifest_lands(tmp_path, s3_server, changed):
+    """Every file is hashed (BLAKE3) as the upload reads it: a local file that changed after
+    its manifest was written (same size, other bytes) fails the upload, single-part or
+    multipart, and the step's manifest never lands; the store keeps no usable step."""
     store = _store(s3_server.client(settings=SMALL), s3_server, "run-8")
+    ref = _checkpoint(tmp_path / "local", 10)
+    shard = Path(ref.path) / changed
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    with pytest.raises(CheckpointError, match=f"does not match its manifest: {changed} \\(digest differs\\); "
+                                              "the manifest of step 10 was not uploaded"):
+        store.upload(ref)
+    assert store.steps() == []
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="cannot be read for the upload"):
+        store.upload(ref)
+    assert store.steps() == []
+
+
+def test_the_server_refuses_an_older_checkpoint_file_that_does_not_match_its_sha256(tmp_path, s3_server):
+    """A checkpoint written by an earlier version records SHA-256 digests: its single-part
+    objects go up with that SHA-256, so the server itself refuses changed bytes."""
+    import json
+
+    store = _store(s3_server.client(settings=SMALL), s3_server, "run-9")
     ref = _checkpoint(tmp_path / "local", 10, big=1000)
+    body = json.loads((Path(ref.path) / "manifest.json").read_text())
+    for rel, meta in body["files"].items():
+        meta["sha256"] = hashlib.sha256((Path(ref.path) / rel).read_bytes()).hexdigest()
+        del meta["blake3"]
+    (Path(ref.path) / "manifest.json").write_text(json.dumps(body))
+    assert not store.upload(ref)["skipped"]
+    assert store.download(10, tmp_path / "b", training_hash=THASH).step == 10  # SHA-256 entries verify
+    store.prune(0)
     shard = Path(ref.path) / "__1_0.distcp"
     shard.write_bytes(os.urandom(shard.stat().st_size))  # same size, other bytes
     with pytest.raises(botocore.exceptions.ClientError, match="BadDigest|InvalidDigest|XAmzContentSHA256Mismatch"):
-        store.upload(ref, verified=True)  # told it was verified: the server still catches it
+        store.upload(ref)
     assert store.steps() == []
-    with pytest.raises(CheckpointError, match="does not verify against its manifest; not uploading"):
-        store.upload(ref)  # not told: the local check catches it first

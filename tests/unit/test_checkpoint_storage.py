@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import torch
+from blake3 import blake3
 
 from trainflow.checkpoint import dcp
 
@@ -68,7 +68,7 @@ def test_write_file_returns_the_digest_of_what_is_on_disk(tmp_path):
     data = (tmp_path / "f").read_bytes()
     assert size == len(data) == 4000 + 14 + 24 + 13  # small buffers: packed, no padding
     assert offsets == [0, 4000, 4000, 4014, 4038]
-    assert sha == hashlib.sha256(data).hexdigest()
+    assert sha == blake3(data).hexdigest()
 
 
 def test_write_file_error_leaves_no_hashing_thread(tmp_path):
@@ -105,7 +105,7 @@ def test_direct_writes_keep_every_byte_and_the_digest(tmp_path, where):
             assert offsets == sorted(offsets) and all(
                 o + len(b) <= nxt for o, b, nxt in zip(offsets, bufs, offsets[1:] + [size]))
             assert size - sum(len(b) for b in bufs) <= 4095 * len(bufs)  # gaps under a block each
-            assert sha == hashlib.sha256(data).hexdigest()
+            assert sha == blake3(data).hexdigest()
         finally:
             path.unlink(missing_ok=True)
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
     f.write_bytes(b"X" + f.read_bytes()[1:])  # same size, different bytes
     ref = manifest.newest_verified(tmp_path)
     assert ref.step == 10
-    assert "does not match its sha256" in caplog.text
+    assert "does not match its blake3" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete_file", "delete_manifest", "garbage_manifest"])
@@ -73,7 +74,7 @@ def test_manifest_cannot_point_outside_its_directory(tmp_path):
     d = tmp_path / "step-00000001"
     data = json.loads((d / "manifest.json").read_text())
     (tmp_path / "secret").write_bytes(b"s")
-    data["files"]["../secret"] = {"size": 1, "sha256": manifest.sha256_file(tmp_path / "secret")}
+    data["files"]["../secret"] = {"size": 1, "blake3": manifest.file_digest(tmp_path / "secret")}
     (d / "manifest.json").write_text(json.dumps(data))
     assert manifest.verify(d) is None
 
@@ -96,8 +97,8 @@ def test_commit_takes_the_writers_digests_and_hashes_the_rest(tmp_path):
     ref = manifest.commit(tmp_path, 7, world_size=1, training_hash="h",
                           digests={"__0_0.distcp": (100, "0" * 64)})
     files = manifest.read_manifest(ref.path)["files"]
-    assert files["__0_0.distcp"] == {"size": 100, "sha256": "0" * 64}
-    assert files[".metadata"]["sha256"] == manifest.sha256_file(tmp_path / "step-00000007" / ".metadata")
+    assert files["__0_0.distcp"] == {"size": 100, "blake3": "0" * 64}
+    assert files[".metadata"]["blake3"] == manifest.file_digest(tmp_path / "step-00000007" / ".metadata")
     # ... and a wrong one is caught by the verification every resume runs.
     assert manifest.verify(ref.path) is None
 
@@ -125,3 +126,31 @@ def test_verify_hashes_every_file(tmp_path):
     victim = tmp_path / "step-00000003" / "__3_0.distcp"
     victim.write_bytes(b"\x00" * 1000)
     assert manifest.verify(ref.path) is None
+
+
+def test_file_digests_are_blake3_and_sha256_manifests_of_older_versions_still_verify(tmp_path):
+    import hashlib
+
+    from blake3 import blake3
+
+    ref = _save(tmp_path, 3)
+    files = manifest.read_manifest(ref.path)["files"]
+    for rel, meta in files.items():
+        data = (Path(ref.path) / rel).read_bytes()
+        assert set(meta) == {"size", "blake3"} and meta["blake3"] == blake3(data).hexdigest()
+    # a manifest written by an earlier version: SHA-256 per file
+    old = json.loads((Path(ref.path) / "manifest.json").read_text())
+    for rel, meta in old["files"].items():
+        meta["sha256"] = hashlib.sha256((Path(ref.path) / rel).read_bytes()).hexdigest()
+        del meta["blake3"]
+    (Path(ref.path) / "manifest.json").write_text(json.dumps(old))
+    assert manifest.verify(ref.path).step == 3
+    rel = sorted(old["files"])[0]
+    (Path(ref.path) / rel).write_bytes(b"x" * old["files"][rel]["size"])  # same size, other bytes
+    assert manifest.verify(ref.path) is None
+    # an entry with a digest this version does not know is refused, named in the log
+    old["files"][rel] = {"size": old["files"][rel]["size"], "md5": "0" * 32}
+    (Path(ref.path) / "manifest.json").write_text(json.dumps(old))
+    assert manifest.verify(ref.path) is None
+    with pytest.raises(CheckpointError, match="unknown file digest 'md5'"):
+        manifest.hasher("md5")

@@ -3,6 +3,8 @@ hosts a run gets, how a node task's try is routed to its host, and when a slot m
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from trainflow.cluster.allocator import Allocator, Lease, Waiting
@@ -79,7 +81,7 @@ def test_admit_places_too(alloc):
         alloc.admit("t/d/y", tenant="t", pool="gpu", nodes=1, ttl=60, now=1)
 
 
-def test_a_try_is_routed_to_its_host_and_a_retry_moves_to_a_free_host_in_the_run_rack(alloc):
+def test_a_try_is_routed_to_its_host_and_a_retry_moves_to_a_free_host_in_the_run_rack(alloc, caplog):
     lease = _ask(alloc, "t/d/run", 2, 0, chips=8)
     assert lease.hosts == ("a1", "a2")
     assert alloc.route("d", "run", 0, 1) == "a1" and alloc.route("d", "run", 1, 1) == "a2"
@@ -106,7 +108,10 @@ def test_a_try_is_routed_to_its_host_and_a_retry_moves_to_a_free_host_in_the_run
     # retry stays where it is.
     assert len(_ask(alloc, "u/d/rest", 2, 2).hosts) == 2
     HostRegistry(alloc.db).cordon("a1", reason="ECC errors")
-    assert alloc.route("d", "run", 0, 3, lost=lost) == "a1"
+    with caplog.at_level(logging.WARNING, logger="trainflow.cluster.allocator"):
+        assert alloc.route("d", "run", 0, 3, lost=lost) == "a1"
+    assert "t/d/run node 0: host a1 is suspect and no other host of pool" in caplog.text
+    assert "try 3 waits for it" in caplog.text
     alloc.release("u/d/rest")
     assert alloc.route("d", "run", 0, 4, lost=lost) in ("b1", "b2", "b3")
 

@@ -110,7 +110,7 @@ def _as_bytes(tensor: "torch.Tensor") -> memoryview:
 
 def _write_file(path: Path, buffers: list[memoryview]) -> tuple[list[int], int, str]:
     """Write ``buffers`` to ``path`` and fsync it; return where each buffer starts in the
-    file, the file's size and its SHA-256.
+    file, the file's size and its digest (``manifest.DIGEST``).
 
     The file holds the buffers in order, each where ``_layout`` puts it (a large one may
     follow up to 4 KiB of zeros, so that its memory can go to the disk without a copy). A
@@ -120,14 +120,14 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[list[int], int, 
     (``_write_direct``), else through the page cache.
     """
     offsets, pieces, size = _layout(buffers)
-    h = hashlib.sha256()
+    h = manifest.hasher()
     pending: queue.SimpleQueue = queue.SimpleQueue()
 
     def digest() -> None:
         while (buf := pending.get()) is not None:
             h.update(buf)
 
-    hasher = threading.Thread(target=digest, name="trainflow-ckpt-sha256")
+    hasher = threading.Thread(target=digest, name="trainflow-ckpt-digest")
     hasher.start()
     try:
         for _, data, _ in pieces:
@@ -269,7 +269,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 class _Written(list):
-    """One rank's ``WriteResult``s plus ``digests``, {file name: (size, sha256)} of the
+    """One rank's ``WriteResult``s plus ``digests``, {file name: (size, digest)} of the
     files it wrote; DCP gathers these to rank 0 for ``finish`` unchanged."""
 
     digests: dict
@@ -286,7 +286,7 @@ def _writer(path: Path):
         """One raw file per rank, hashed while written; rank 0 ends with every digest.
 
         After ``dcp.save`` returns, ``digests`` on rank 0 maps each data file's name to
-        ``(size, sha256)`` (the ``.metadata`` file DCP adds last is not in it).
+        ``(size, digest)`` (the ``.metadata`` file DCP adds last is not in it).
         """
 
         def __init__(self, path: Path) -> None:

@@ -6,12 +6,13 @@ checkpoint's own files and its ``manifest.json`` uploaded **last**: an S3 checkp
 without a manifest is incomplete and never used. Integrity end to end:
 
 - upload: the local checkpoint verifies against its manifest first (or the caller just
-  verified it); a single-part object is sent with the manifest's SHA-256, which the server
-  checks against what it stored; a multipart object's parts each carry a CRC32 the server
-  checks on receipt; afterwards every object's size (and a single-part object's SHA-256)
-  is compared with the manifest before the manifest is written;
-- download: into ``step-<s>.partial``, every file's SHA-256 checked against the
-  manifest, then renamed into place — a copy is complete and verified or absent.
+  verified it); every object (each part of a multipart one) carries a CRC32 the server
+  checks on receipt (a single-part file of an older checkpoint whose manifest records a
+  SHA-256 carries that instead); afterwards every object's size (and such a SHA-256) is
+  compared with the manifest before the manifest is written;
+- download: into ``step-<s>.partial``, every file's digest (BLAKE3, or an older
+  checkpoint's SHA-256) computed as it arrives and checked against the manifest, then
+  renamed into place — a copy is complete and verified or absent.
 
 Transfers run through boto3's transfer manager (multipart, concurrent parts and files);
 throttling and 5xx answers are retried with exponential backoff by botocore's
@@ -102,16 +103,17 @@ def parse_uri(uri: str) -> tuple[str, str]:
 class _HashingSink:
     """A download target that hashes its bytes as they arrive. It is not seekable, so the
     transfer writes each file's ranges in order (its parallel ranged GETs go on); the
-    SHA-256 runs on a thread of the file's own, so the files' digests are computed side by
-    side while the download goes on, instead of reading every file again after it."""
+    digest (the one the manifest records for the file) runs on a thread of the file's own,
+    so the files' digests are computed side by side while the download goes on, instead of
+    reading every file again after it."""
 
     PENDING_CHUNKS = 256  # at most this many chunks (256 KiB each by default) wait for the hash
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, algorithm: str) -> None:
         import threading
 
         self.fh = open(path, "wb")
-        self.sha = hashlib.sha256()
+        self.hash = manifest.hasher(algorithm)
         self.size = 0
         self.room = threading.Semaphore(self.PENDING_CHUNKS)
         self.hasher = ThreadPoolExecutor(max_workers=1)  # one thread: updates stay in order
@@ -125,7 +127,7 @@ class _HashingSink:
 
     def _update(self, data) -> None:
         try:
-            self.sha.update(data)
+            self.hash.update(data)
         finally:
             self.room.release()
 
@@ -133,12 +135,38 @@ class _HashingSink:
         return False
 
     def finish(self) -> tuple[str, int]:
-        """Close; the file's SHA-256 and size."""
+        """Close; the file's digest and size."""
         self.close()
-        return self.sha.hexdigest(), self.size
+        return self.hash.hexdigest(), self.size
 
     def close(self) -> None:
         self.hasher.shutdown(wait=True)
+        self.fh.close()
+
+
+class _HashingSource:
+    """An upload source that hashes the bytes as the transfer reads them: each file is read
+    once, in order (it is not seekable, so the transfer reads its parts one after another
+    and sends them concurrently), and what was sent is checked against the manifest's
+    digest before the manifest is written. No separate verification pass reads the files
+    before the upload, and a file that changed after its manifest was written is caught
+    whatever the store can check."""
+
+    def __init__(self, path: Path, algorithm: str) -> None:
+        self.fh = open(path, "rb")
+        self.hash = manifest.hasher(algorithm)
+        self.size = 0
+
+    def read(self, amount: int = -1) -> bytes:
+        data = self.fh.read(amount)
+        self.hash.update(data)
+        self.size += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
         self.fh.close()
 
 
@@ -188,15 +216,17 @@ class S3Store:
         return json.loads(body)
 
     # -- upload -----------------------------------------------------------------------
-    def upload(self, ref: manifest.CheckpointRef, *, verified: bool = False) -> dict[str, Any]:
-        """Upload the verified checkpoint ``ref``; idempotent (an upload with the same
+    def upload(self, ref: manifest.CheckpointRef) -> dict[str, Any]:
+        """Upload the committed checkpoint ``ref``; idempotent (an upload with the same
         manifest is kept). Returns ``{"step", "uri", "bytes", "seconds", "skipped"}``.
-        ``verified``: the caller verified ``ref`` against its manifest just now (the
-        checkpoint sync does, to choose it), so it is not hashed again.
+
+        Every file is hashed as it is read for the upload (``_HashingSource``) and must
+        match its manifest entry; the manifest goes up last, only then.
 
         Raises:
-            CheckpointError: the local copy does not verify, or an object's size or digest
-                in the store differs from the manifest (the manifest is then not written).
+            CheckpointError: a file does not match its manifest entry, or an object's size
+                or digest in the store differs from the manifest (the manifest is then not
+                written: the step stays incomplete in the store and is never used).
         """
         local = Path(ref.path)
         body = (local / manifest.MANIFEST).read_bytes()
@@ -207,15 +237,37 @@ class S3Store:
                         "seconds": 0.0, "skipped": True}
         except self.s3.exceptions.NoSuchKey:
             pass
-        if not verified and manifest.verify(local, training_hash=ref.training_hash) is None:
-            raise CheckpointError(f"{local} does not verify against its manifest; not uploading it")
-        files = manifest.read_manifest(local)["files"]
+        data = json.loads(body)
+        if data.get("training_hash") != ref.training_hash:
+            raise CheckpointError(f"{local}: its manifest's training hash {data.get('training_hash')} is not "
+                                  f"{ref.training_hash}; not uploading it")
+        files = data["files"]
         t0 = time.perf_counter()
-        with self._manager() as tm:
-            futures = [tm.upload(str(local / rel), self.bucket, self._key(ref.step, rel),
-                                 extra_args=self._checksum_args(files[rel])) for rel in sorted(files)]
-            for f in futures:
-                f.result()
+        sources: dict[str, _HashingSource] = {}
+        try:
+            with self._manager() as tm:
+                futures = []
+                for rel in sorted(files):
+                    if ".." in Path(rel).parts or rel.startswith("/"):
+                        raise CheckpointError(f"manifest of {local} names an unsafe path {rel!r}")
+                    sources[rel] = _HashingSource(local / rel, manifest.entry_digest(files[rel])[0])
+                    futures.append(tm.upload(sources[rel], self.bucket, self._key(ref.step, rel),
+                                             extra_args=self._checksum_args(files[rel])))
+                for f in futures:
+                    f.result()
+        except OSError as exc:
+            raise CheckpointError(f"{local} cannot be read for the upload: {exc}") from exc
+        finally:
+            for source in sources.values():
+                source.close()
+        bad = [f"{rel} ({source.size} bytes read, {files[rel]['size']} in the manifest)"
+               if source.size != int(files[rel]["size"]) else f"{rel} (digest differs)"
+               for rel, source in sources.items()
+               if source.size != int(files[rel]["size"])
+               or source.hash.hexdigest() != manifest.entry_digest(files[rel])[1]]
+        if bad:
+            raise CheckpointError(f"{local} does not match its manifest: {', '.join(bad[:5])}; "
+                                  f"the manifest of step {ref.step} was not uploaded")
         self._check_uploaded(ref.step, files)
         self.s3.put_object(Bucket=self.bucket, Key=self._key(ref.step, manifest.MANIFEST), Body=body,
                            ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()))
@@ -223,12 +275,12 @@ class S3Store:
                 "seconds": time.perf_counter() - t0, "skipped": False}
 
     def _checksum_args(self, meta: Mapping[str, Any]) -> dict[str, str]:
-        """A single-part object carries the manifest's own SHA-256: the server refuses it
-        unless the bytes it stored hash to exactly that (no hashing on this side). A
-        multipart object carries a CRC32 per part, checked by the server as each part
-        arrives (SHA-256 has no whole-object form for multipart uploads); the manifest's
-        SHA-256 is checked on every download before a checkpoint is used."""
-        if int(meta["size"]) < self.settings.multipart_threshold:
+        """Every object carries a CRC32 (per part for a multipart upload), checked by the
+        server as the bytes arrive; a single-part file whose manifest records a SHA-256 (a
+        checkpoint of an earlier version) carries that instead, which the server checks
+        with no hashing on this side. S3 has no BLAKE3: the manifest's digest is checked
+        on every download before a checkpoint is used."""
+        if int(meta["size"]) < self.settings.multipart_threshold and "sha256" in meta:
             return {"ChecksumSHA256": _b64(meta["sha256"])}
         return {"ChecksumAlgorithm": "CRC32"}
 
@@ -239,7 +291,7 @@ class S3Store:
             if int(h["ContentLength"]) != int(meta["size"]):
                 return f"{rel}: {h['ContentLength']} bytes in the store, {meta['size']} in the manifest"
             digest = h.get("ChecksumSHA256")
-            if digest and "-" not in digest and digest != _b64(meta["sha256"]):
+            if digest and "-" not in digest and "sha256" in meta and digest != _b64(meta["sha256"]):
                 return f"{rel}: SHA-256 in the store differs from the manifest"
             return None
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
@@ -276,13 +328,13 @@ class S3Store:
                     if ".." in Path(rel).parts or rel.startswith("/"):
                         raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    sinks[rel] = _HashingSink(tmp / rel)
+                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0])
                     pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel]))
                 for fut in pending:
                     fut.result()
             digests = {rel: sink.finish() for rel, sink in sinks.items()}
-            bad = [rel for rel, (sha, size) in digests.items()
-                   if sha != files[rel]["sha256"] or size != files[rel]["size"]]
+            bad = [rel for rel, (digest, size) in digests.items()
+                   if digest != manifest.entry_digest(files[rel])[1] or size != files[rel]["size"]]
             if bad:
                 raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
                                       f"its manifest: {', '.join(sorted(bad)[:5])}")

@@ -7,6 +7,7 @@ a crashed run never holds capacity for ever; ``release`` is idempotent.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import closing, contextmanager
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainflow.errors import AdmissionError, SpecError
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, nodes INTEGER NOT NULL);
@@ -648,6 +651,9 @@ class Allocator(StateDB):
                     con.execute("DELETE FROM host_leases WHERE host=?", (host,))
                     self._bind(con, run_key, pool, moved, chips, now, first_slot=slot)
                     host = moved[0]
+                else:
+                    log.warning("%s node %d: host %s is suspect and no other host of pool %s is free; "
+                                "try %d waits for it", run_key, slot, host, pool, try_number)
             con.execute("UPDATE host_leases SET routed_try=? WHERE host=?", (try_number, host))
             return host
 
