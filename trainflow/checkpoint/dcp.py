@@ -143,6 +143,8 @@ def _write_file(path: Path, buffers: list[memoryview]) -> tuple[list[int], int, 
 _ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses (512 on most disks; 4096 on all)
 _DIRECT_MIN = 1 << 16  # smaller buffers are copied: their padding and extra write would cost more
 _BOUNCE_BYTES = 8 << 20
+_IOV_BATCH = 1000  # iovecs per pwritev (Linux takes up to 1024)
+_BATCH_BYTES = 1 << 30  # bytes per pwritev (Linux writes at most 2 GiB - 4 KiB per call)
 _ZEROS = memoryview(bytes(_ALIGN))
 _bounce = threading.local()
 
@@ -229,14 +231,38 @@ def _write_direct(path: Path, pieces: list[tuple[int, memoryview, bool]], size: 
     bounce = getattr(_bounce, "buf", None)
     if bounce is None:
         bounce = _bounce.buf = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # page-aligned
-    filled = 0  # bytes gathered in the bounce buffer, which continue the file where it ends
+    # The pieces go to the disk in as few ``pwritev`` calls as the bounce buffer allows
+    # (each direct piece and each run of gathered bytes one aligned iovec): one call for the
+    # whole file when its small pieces fit the buffer. A write per piece waited for each
+    # piece's DMA before issuing the next (0.128 vs 0.105 s for 145 MB in one write here).
+    batch: list[memoryview] = []
+    batch_bytes = offset = 0
+    start = filled = 0  # the bounce buffer's bytes [start, filled) are not in the batch yet
+
+    def take_run(end: int) -> None:
+        nonlocal start, batch_bytes
+        if start < end:
+            batch.append(bounce[start:end])
+            batch_bytes += end - start
+        start = end
+
+    def flush() -> None:
+        nonlocal offset, batch_bytes, start, filled
+        take_run(filled)
+        if batch:
+            _pwritev_all(fd, batch, offset)
+        offset += batch_bytes
+        batch.clear()
+        batch_bytes = start = filled = 0
+
     try:
         for _, data, direct in pieces:
             if direct:  # starts at an aligned offset, so the gathered bytes are whole blocks
-                if filled:
-                    _write_all(fd, bounce[:filled])
-                    filled = 0
-                _write_all(fd, data)
+                take_run(filled)
+                batch.append(data)
+                batch_bytes += len(data)
+                if len(batch) >= _IOV_BATCH or batch_bytes >= _BATCH_BYTES:
+                    flush()
                 continue
             pos = 0
             while pos < len(data):
@@ -244,12 +270,12 @@ def _write_direct(path: Path, pieces: list[tuple[int, memoryview, bool]], size: 
                 bounce[filled:filled + k] = data[pos:pos + k]
                 filled, pos = filled + k, pos + k
                 if filled == len(bounce):
-                    _write_all(fd, bounce)
-                    filled = 0
-        if filled:
+                    flush()
+        if filled > start:
             padded = -(-filled // _ALIGN) * _ALIGN
             bounce[filled:padded] = _ZEROS[:padded - filled]
-            _write_all(fd, bounce[:padded])
+            filled = padded
+        flush()
         os.ftruncate(fd, size)
         os.fsync(fd)
     except OSError as exc:
@@ -259,6 +285,20 @@ def _write_direct(path: Path, pieces: list[tuple[int, memoryview, bool]], size: 
     finally:
         os.close(fd)
     return True
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """``os.pwritev`` of ``views`` at ``offset`` until every byte is written."""
+    views = list(views)
+    first = 0
+    while first < len(views):
+        n = os.pwritev(fd, views[first:], offset)
+        offset += n
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -6,7 +6,7 @@ checkpoint's own files and its ``manifest.json`` uploaded **last**: an S3 checkp
 without a manifest is incomplete and never used. Integrity end to end:
 
 - upload: the local checkpoint verifies against its manifest first (or the caller just
-  verified it); every object (each part of a multipart one) carries a CRC32 the server
+  verified it); every object (each part of a multipart one) carries a CRC32C the server
   checks on receipt (a single-part file of an older checkpoint whose manifest records a
   SHA-256 carries that instead); afterwards every object's size (and such a SHA-256) is
   compared with the manifest before the manifest is written;
@@ -55,13 +55,17 @@ class TransferSettings:
     chunk_size: int = 16 * MiB
     concurrency: int = 8
     max_attempts: int = 8  # per request, botocore's standard retry mode (throttling, 5xx)
+    # A download's reads and writes (boto3's default is 256 KiB): 4 MiB takes the
+    # per-chunk Python work (a write, a hash update) down 16-fold; bench/s3_sync.py measured
+    # the raw download of 268 MB 0.31 → 0.27 s and trainflow's verified one 0.38 → 0.28 s.
+    io_chunk_size: int = 4 * MiB
 
     def transfer_config(self):
         from boto3.s3.transfer import TransferConfig
 
         return TransferConfig(multipart_threshold=self.multipart_threshold,
                               multipart_chunksize=self.chunk_size, max_concurrency=self.concurrency,
-                              use_threads=True)
+                              io_chunksize=self.io_chunk_size, use_threads=True)
 
 
 def client(*, endpoint_url: str | None = None, region_name: str | None = None,
@@ -107,15 +111,15 @@ class _HashingSink:
     so the files' digests are computed side by side while the download goes on, instead of
     reading every file again after it."""
 
-    PENDING_CHUNKS = 256  # at most this many chunks (256 KiB each by default) wait for the hash
+    PENDING_BYTES = 64 * MiB  # at most this much waits for the hash (then the writes wait)
 
-    def __init__(self, path: Path, algorithm: str) -> None:
+    def __init__(self, path: Path, algorithm: str, chunk_size: int = 4 * MiB) -> None:
         import threading
 
         self.fh = open(path, "wb")
         self.hash = manifest.hasher(algorithm)
         self.size = 0
-        self.room = threading.Semaphore(self.PENDING_CHUNKS)
+        self.room = threading.Semaphore(max(4, self.PENDING_BYTES // max(1, chunk_size)))
         self.hasher = ThreadPoolExecutor(max_workers=1)  # one thread: updates stay in order
 
     def write(self, data) -> int:
@@ -168,6 +172,15 @@ class _HashingSource:
 
     def close(self) -> None:
         self.fh.close()
+
+
+def part_checksum() -> str:
+    """The checksum each uploaded object (part) carries for the server to check: CRC32C,
+    which the AWS common runtime computes with the CPU's CRC instruction (10 GB/s per core
+    here, five times zlib's CRC32); CRC32 where that runtime is not installed."""
+    from botocore.compat import HAS_CRT
+
+    return "CRC32C" if HAS_CRT else "CRC32"
 
 
 def _b64(hex_digest: str) -> str:
@@ -275,14 +288,14 @@ class S3Store:
                 "seconds": time.perf_counter() - t0, "skipped": False}
 
     def _checksum_args(self, meta: Mapping[str, Any]) -> dict[str, str]:
-        """Every object carries a CRC32 (per part for a multipart upload), checked by the
-        server as the bytes arrive; a single-part file whose manifest records a SHA-256 (a
-        checkpoint of an earlier version) carries that instead, which the server checks
-        with no hashing on this side. S3 has no BLAKE3: the manifest's digest is checked
-        on every download before a checkpoint is used."""
+        """Every object carries a CRC32C (per part for a multipart upload; ``part_checksum``),
+        checked by the server as the bytes arrive; a single-part file whose manifest records
+        a SHA-256 (a checkpoint of an earlier version) carries that instead, which the server
+        checks with no hashing on this side. S3 has no BLAKE3: the manifest's digest is
+        checked as each file is read for the upload and on every download."""
         if int(meta["size"]) < self.settings.multipart_threshold and "sha256" in meta:
             return {"ChecksumSHA256": _b64(meta["sha256"])}
-        return {"ChecksumAlgorithm": "CRC32"}
+        return {"ChecksumAlgorithm": part_checksum()}
 
     def _check_uploaded(self, step: int, files: Mapping[str, Mapping[str, Any]]) -> None:
         def head(rel: str) -> str | None:
@@ -328,7 +341,8 @@ class S3Store:
                     if ".." in Path(rel).parts or rel.startswith("/"):
                         raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0])
+                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0],
+                                              self.settings.io_chunk_size)
                     pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel]))
                 for fut in pending:
                     fut.result()
