@@ -183,6 +183,12 @@ def part_checksum() -> str:
     return "CRC32C" if HAS_CRT else "CRC32"
 
 
+def _check_path(rel: str, whose: str) -> None:
+    """A manifest's file name must stay inside its checkpoint directory."""
+    if ".." in Path(rel).parts or rel.startswith("/"):
+        raise CheckpointError(f"manifest of {whose} names an unsafe path {rel!r}")
+
+
 def _b64(hex_digest: str) -> str:
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
@@ -261,8 +267,7 @@ class S3Store:
             with self._manager() as tm:
                 futures = []
                 for rel in sorted(files):
-                    if ".." in Path(rel).parts or rel.startswith("/"):
-                        raise CheckpointError(f"manifest of {local} names an unsafe path {rel!r}")
+                    _check_path(rel, str(local))
                     sources[rel] = _HashingSource(local / rel, manifest.entry_digest(files[rel])[0])
                     futures.append(tm.upload(sources[rel], self.bucket, self._key(ref.step, rel),
                                              extra_args=self._checksum_args(files[rel])))
@@ -338,8 +343,7 @@ class S3Store:
             with self._manager() as tm:
                 pending = []
                 for rel in sorted(files):
-                    if ".." in Path(rel).parts or rel.startswith("/"):
-                        raise CheckpointError(f"manifest of step {step} names an unsafe path {rel!r}")
+                    _check_path(rel, f"step {step}")
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                     sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0],
                                               self.settings.io_chunk_size)
