@@ -278,11 +278,12 @@ class S3Store:
         finally:
             for source in sources.values():
                 source.close()
-        bad = [f"{rel} ({source.size} bytes read, {files[rel]['size']} in the manifest)"
-               if source.size != int(files[rel]["size"]) else f"{rel} (digest differs)"
-               for rel, source in sources.items()
-               if source.size != int(files[rel]["size"])
-               or source.hash.hexdigest() != manifest.entry_digest(files[rel])[1]]
+        bad = []
+        for rel, source in sources.items():
+            if source.size != int(files[rel]["size"]):
+                bad.append(f"{rel} ({source.size} bytes read, {files[rel]['size']} in the manifest)")
+            elif source.hash.hexdigest() != manifest.entry_digest(files[rel])[1]:
+                bad.append(f"{rel} (digest differs)")
         if bad:
             raise CheckpointError(f"{local} does not match its manifest: {', '.join(bad[:5])}; "
                                   f"the manifest of step {ref.step} was not uploaded")
