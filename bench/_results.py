@@ -26,6 +26,18 @@ def side_by_side(bench: str, out: Path, baseline: tuple[str, list[float]],
     return result
 
 
+def drop_from_page_cache(files) -> None:
+    """Write ``files`` back and drop them from the page cache, so the next read of each
+    comes from the disk (fair cold reads on both sides of a comparison)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def embedded_stack(prefix: str, **options):
     """A real embedded stack (``EmbeddedStack(**options)``) in a temporary folder for one

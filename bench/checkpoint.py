@@ -62,6 +62,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(REPO))
+    from _results import drop_from_page_cache
     from trainflow.checkpoint import dcp, manifest
 
     torch.set_num_threads(1)
@@ -185,7 +186,7 @@ def worker(args) -> None:
         # O_DIRECT and are not in the page cache, the raw files were written through it.
         # Comparing a cached raw read with an uncached load measured the cache, not the load.
         if rank == 0:
-            evict([Path(p) for p in raw_paths] + ckpt_files)
+            drop_from_page_cache([Path(p) for p in raw_paths] + ckpt_files)
         dist.barrier()
         t = time.perf_counter()
         for p in raw_paths:
@@ -197,7 +198,7 @@ def worker(args) -> None:
         raw_read.append(time.perf_counter() - t)
 
         if rank == 0:
-            evict([Path(p) for p in raw_paths] + ckpt_files)
+            drop_from_page_cache([Path(p) for p in raw_paths] + ckpt_files)
         dist.barrier()
         t = time.perf_counter()
         dcp.load(model, opt, path[0])
@@ -265,18 +266,6 @@ def worker(args) -> None:
         Path(args.result).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def evict(files: list[Path]) -> None:
-    """Drop ``files`` from the page cache (written back first), so the next read of them
-    comes from the disk."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def warm_page_cache(work: Path, size: int) -> None:

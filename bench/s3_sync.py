@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from trainflow.checkpoint import manifest  # noqa: E402
 from trainflow.checkpoint.s3 import S3Store, TransferSettings, part_checksum  # noqa: E402
 from trainflow.testing.seaweed import SeaweedS3  # noqa: E402
+from _results import drop_from_page_cache  # noqa: E402
 
 
 def make_checkpoint(root: Path, shards: int, shard_mb: int) -> manifest.CheckpointRef:
@@ -50,15 +51,8 @@ def make_checkpoint(root: Path, shards: int, shard_mb: int) -> manifest.Checkpoi
 
 
 def drop_caches(path: Path) -> None:
-    """Evict the files from the page cache where the kernel lets us (fair cold reads)."""
-    for p in path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Evict the checkpoint's files from the page cache (fair cold reads)."""
+    drop_from_page_cache(p for p in path.rglob("*") if p.is_file())
 
 
 def main() -> int:
