@@ -444,18 +444,20 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
         killed["host"] = host
     killer = threading.Thread(target=kill_node_1_host, daemon=True)
     killer.start()
+    def stuck(why: str) -> None:
+        pytest.fail(f"{why}; killed {killed}; placement {a_hosts}\n"
+                    + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
+
     try:
         try:
             run = client.wait_run(PLACED, a, timeout=1200)
         except TimeoutError as exc:
-            pytest.fail(f"{exc}; killed {killed}; placement {a_hosts}\n"
-                        + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
+            stuck(str(exc))
         killer.join(timeout=5)
         states = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"])
                   for t in client.task_instances(PLACED, a)}
         if run["state"] != "success":
-            pytest.fail(f"run {a} {run['state']}; killed {killed}; placement {a_hosts}\n"
-                        + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
+            stuck(f"run {a} {run['state']}")
         b_marker = json.loads((run_dir.parents[2] / "place-b" / PLACED / b / "nodes" / "task-0000.json").read_text())
         assert b_marker["try"] == 1 and "ended" not in b_marker  # B still trains, on its first try
     finally:
