@@ -5,11 +5,11 @@ Layout: ``s3://<bucket>/<prefix>/<tenant>/<dag_id>/<run_id>/step-<s>/<files>``, 
 checkpoint's own files and its ``manifest.json`` uploaded **last**: an S3 checkpoint
 without a manifest is incomplete and never used. Integrity end to end:
 
-- upload: the local checkpoint verifies against its manifest first (or the caller just
-  verified it); every object (each part of a multipart one) carries a CRC32C the server
-  checks on receipt (a single-part file of an older checkpoint whose manifest records a
-  SHA-256 carries that instead); afterwards every object's size (and such a SHA-256) is
-  compared with the manifest before the manifest is written;
+- upload: every file is hashed as the transfer reads it and must match its manifest
+  entry; every object (each part of a multipart one) carries a CRC32C the server checks on
+  receipt (a single-part file of an older checkpoint whose manifest records a SHA-256
+  carries that instead); afterwards every object's size (and such a SHA-256) is compared
+  with the manifest, and only then is the manifest written;
 - download: into ``step-<s>.partial``, every file's digest (BLAKE3, or an older
   checkpoint's SHA-256) computed as it arrives and checked against the manifest, then
   renamed into place — a copy is complete and verified or absent.
