@@ -52,8 +52,7 @@ def clean_rate(work: Path, seconds: float = 60.0) -> float:
     run_dir = work / "calibration"
     with gang(spec, run_dir):
         def step() -> int:
-            beats = read_all(run_dir / "heartbeats")
-            return min((b["step"] for b in beats.values()), default=0) if len(beats) == 2 else 0
+            return _gang_step(run_dir, spec.world_size)
 
         deadline = time.time() + 120
         while step() < 100 and time.time() < deadline:
@@ -79,16 +78,76 @@ def _training(run_dir: Path, world: int) -> bool:
                                        and alive(int(b["pid"])) for b in beats.values())
 
 
-def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int]:
-    """Run ``spec`` killing a rank every ``every`` s; return exit codes, wall and faults."""
+def _gang_step(run_dir: Path, world: int) -> int:
+    """The step every rank has reached (0 until every rank has beaten)."""
+    beats = read_all(run_dir / "heartbeats")
+    return min((b["step"] for b in beats.values()), default=0) if len(beats) == world else 0
+
+
+class Trace:
+    """What the bench saw of a run: (time, gang step) every 0.1 s and when each fault fell."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self.faults: list[float] = []
+
+    def step_at(self, t: float) -> int:
+        """The gang step of the last sample at or before ``t``."""
+        return max((s for ts, s in self.samples if ts <= t), default=0)
+
+    def rate(self, t0: float, t1: float) -> float | None:
+        """Steps per second between ``t0`` and ``t1`` (None: no samples there)."""
+        inside = [(t, s) for t, s in self.samples if t0 <= t <= t1]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] < 5:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def clock_goodput(trace: Trace, steps: int, period: float, settle: float = 10.0) -> dict:
+    """Goodput against the clock with the machine's speed measured beside each fault.
+
+    The run's wall time (first training step → last) is cut at the faults (or every
+    ``period`` s for a run without faults: the control). In each piece the gang made net
+    progress ``Δs`` (redone steps are not progress), and the piece's steady rate ``r`` is
+    measured in the same piece, from ``settle`` s after its start to its end: the time a
+    fault-free gang would have needed is ``Δs / r``. Goodput = Σ Δs/r ÷ wall. Everything
+    a fault costs (the dead rank's wait, restart, reload, redone steps, a slow first
+    minute after it) is charged to it; a change of the machine's own speed over the run
+    (the calibration is measured minutes apart: 108–120 steps/s on this machine within a
+    few minutes) is not."""
+    start = next(t for t, s in trace.samples if s > 0)
+    end = next((t for t, s in trace.samples if s >= steps), trace.samples[-1][0])
+    cuts = list(trace.faults) or [start + period * k for k in range(1, int((end - start) // period) + 1)]
+    bounds = [start] + [c for c in cuts if start < c < end] + [end]
+    pieces = []
+    for t0, t1 in zip(bounds, bounds[1:]):
+        # The first piece starts at the first step: its steady part needs no settling.
+        r = trace.rate(t0 + (settle if t0 != start else 0.0), t1)
+        ds = trace.step_at(t1) - trace.step_at(t0) if t1 != end else steps - trace.step_at(t0)
+        pieces.append({"wall_s": round(t1 - t0, 2), "steps": ds, "steps_per_s": round(r, 1) if r else None,
+                       "clean_s": round(ds / r, 2) if r else None})
+    measured = [p for p in pieces if p["clean_s"] is not None]
+    clean_s = sum(p["clean_s"] for p in measured)
+    wall = sum(p["wall_s"] for p in measured)
+    return {"goodput": clean_s / wall if wall else None, "wall_s": round(end - start, 1),
+            "unmeasured_pieces": len(pieces) - len(measured), "pieces": pieces}
+
+
+def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int, Trace]:
+    """Run ``spec`` killing a rank every ``every`` s; return exit codes, wall, faults and
+    the trace of its progress."""
+    trace = Trace()
     with gang(spec, run_dir) as procs:
         t0, faults = time.time(), 0
         while any(p.poll() is None for p in procs) and time.time() - t0 < limit:
+            trace.samples.append((time.time(), _gang_step(run_dir, spec.world_size)))
             if time.time() - t0 >= every * (faults + 1) and _training(run_dir, spec.world_size):
+                trace.faults.append(time.time())
                 chaos(run_dir, "kill_rank", 1 if faults % 2 == 0 else 0)
                 faults += 1
             time.sleep(0.1)
-        return [p.poll() for p in procs], time.time() - t0, faults
+        trace.samples.append((time.time(), _gang_step(run_dir, spec.world_size)))
+        return [p.poll() for p in procs], time.time() - t0, faults, trace
 
 
 def main() -> int:
@@ -107,27 +166,33 @@ def main() -> int:
 
     # The same run without faults: what the clock costs a run that never fails (gang
     # start-up, checkpoints, the end), for goodput against a clean run's wall time.
-    c_codes, c_wall, _ = _faulty(spec, work / "clean", float("inf"), limit=4 * clean_wall)
-    clean_run = {"exit_codes": c_codes, "wall_s": c_wall, "completed": c_codes == [0, 0]}
-    print(f"clean run: {c_wall:.1f}s", flush=True)
+    c_codes, c_wall, _, c_trace = _faulty(spec, work / "clean", float("inf"), limit=4 * clean_wall)
+    control = clock_goodput(c_trace, steps, args.every)
+    clean_run = {"exit_codes": c_codes, "wall_s": c_wall, "completed": c_codes == [0, 0],
+                 "goodput_clock_local_rate": control["goodput"], "clock_local_rate": control}
+    print(f"clean run: {c_wall:.1f}s; the local-rate method on it (no faults): {control['goodput']:.3f}", flush=True)
 
     run_dir = work / "trainflow"
-    codes, wall, faults = _faulty(spec, run_dir, args.every, limit=4 * clean_wall)
+    codes, wall, faults, trace = _faulty(spec, run_dir, args.every, limit=4 * clean_wall)
+    local = clock_goodput(trace, steps, args.every)
     events = read_timeline(run_dir)
     first = next(e["time"] for e in events if e["event"] == "gang_start")
     summary = summarize(run_dir, started=first, ended=first + wall, steps=steps)
     trainflow = {"exit_codes": codes, "wall_s": wall, "faults": faults, "completed": codes == [0, 0],
-                 "goodput_timeline": summary["goodput"], "goodput_clock": clean_wall / wall,
+                 "goodput_timeline": summary["goodput"], "goodput_clock_local_rate": local["goodput"],
+                 "goodput_clock": clean_wall / wall,
                  "goodput_vs_clean_run": c_wall / wall if clean_run["completed"] else None,
                  "recovery_s": summary["recovery_s"], "steps_lost": summary["steps_lost"],
                  "per_fault": [{k: f.get(k) for k in ("kind", "step", "recovery_s", "steps_lost")}
-                               for f in summary["faults"]]}
-    print(json.dumps({k: v for k, v in trainflow.items() if k != "per_fault"}), flush=True)
+                               for f in summary["faults"]],
+                 "clock_local_rate": local}
+    print(json.dumps({k: v for k, v in trainflow.items() if k not in ("per_fault", "clock_local_rate")}),
+          flush=True)
 
     attempts = []
     for i in range(args.baseline_attempts):  # no resume: every retry starts from step 0
         a_dir = work / f"baseline-{i}"
-        a_codes, a_wall, a_faults = _faulty(spec, a_dir, args.every, limit=args.every + 30)
+        a_codes, a_wall, a_faults, _ = _faulty(spec, a_dir, args.every, limit=args.every + 30)
         reached = max((e["step"] for e in read_timeline(a_dir) if e["event"] == "checkpoint_stall"), default=0)
         attempts.append({"exit_codes": a_codes, "wall_s": a_wall, "reached_step": reached,
                          "completed": a_codes == [0, 0] and a_faults == 0})
@@ -145,6 +210,8 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({"trainflow_goodput_timeline": trainflow["goodput_timeline"],
+                      "trainflow_goodput_clock_local_rate": trainflow["goodput_clock_local_rate"],
+                      "control_clean_run_local_rate": clean_run["goodput_clock_local_rate"],
                       "trainflow_goodput_clock": trainflow["goodput_clock"],
                       "trainflow_goodput_vs_clean_run": trainflow["goodput_vs_clean_run"],
                       "plain_retries_goodput": baseline["goodput"]}))

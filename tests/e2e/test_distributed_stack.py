@@ -329,16 +329,28 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
     SIGTERM (the stack's stop), later with SIGKILL (a crash) — and the stack is started
     again as the demo starts it. Both times nothing of the runs survives the stop, each run
     keeps exactly its lease (nothing double-allocated), resumes from a verified checkpoint at
-    least as new as the newest before the stop, and completes with the clean run's weights
-    (the same spec: nothing lost, nothing trained twice); every lease is released."""
+    least as new as the newest before the stop, and completes with the weights of a clean
+    run of the same spec (nothing lost, nothing trained twice); every lease is released.
+
+    The runs train 3000 steps, not the module's 600: each stop must find both runs under way,
+    and a 600-step run ends ~15 s after its first checkpoint — less than the gap between the
+    two runs' starts can be on a loaded machine (CI saw one run finish before the other had
+    its first checkpoint). Their clean reference is the same spec trained by a local gang
+    (the trainer Airflow's node tasks launch, without Airflow)."""
+    import json
     import signal
     import time
 
     from trainflow.checkpoint import manifest
+    from trainflow.launch.local import run_local
+    from trainflow.spec import TrainingSpec
     from trainflow.timeline import read
+    from trainflow.worker.evaluate import evaluate
 
-    client, clean_id = clean
-    runs = {"dist-stop-a": _s3_conf(s3_server, "stop-a"), "dist-stop-b": {**CONF, "tenant": "stop-b"}}
+    client, _ = clean
+    steps = 3000
+    runs = {"dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps},
+            "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps}}
     keys = {f"{c['tenant']}/{DAG}/{r}": 2 for r, c in runs.items()}
     dirs = {r: Path(dist_stack.trainflow_home) / "runs" / c["tenant"] / DAG / r for r, c in runs.items()}
     for run_id, conf in runs.items():
@@ -356,7 +368,7 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
             time.sleep(0.2)
         before = {r: newest(r) for r in runs}
         assert all(before[r] > floor[r] for r in runs), before
-        assert max(before.values()) < CONF["steps"], before  # training still under way
+        assert max(before.values()) < steps, before  # training still under way
         assert {lease.run_key: lease.nodes for lease in allocator.leases()} == keys
         stopped = dist_stack.stop(grace=15, sig=sig)
         assert set(stopped) == set(dist_stack.components)
@@ -370,9 +382,16 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
         if round_ == 0:
             first = dict(before)
 
-    clean_weights = client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
     for run_id in runs:
-        run = client.wait_run(DAG, run_id, timeout=1200)
+        client.wait_run(DAG, run_id, timeout=1200)
+    # The clean reference: the spec run B trained (its workspace's spec.json), trained again
+    # from step 0 without a stop, once both runs are over (the two cores are free).
+    spec = TrainingSpec.from_mapping(json.loads((dirs["dist-stop-b"] / "spec.json").read_text()))
+    reference = Path(dist_stack.trainflow_home) / "stop-reference"
+    assert run_local(spec, reference) == [0] * spec.nodes
+    clean_weights = evaluate(reference)["weights_sha256"]
+    for run_id in runs:
+        run = client.wait_run(DAG, run_id, timeout=60)
         tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
         assert run["state"] == "success", {k: (t["state"], t["try_number"]) for k, t in tis.items()}
         resumed = [e["step"] for e in read(dirs[run_id]) if e["event"] == "resumed"]

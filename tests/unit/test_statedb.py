@@ -105,10 +105,10 @@ def test_the_profile_switch():
 
 
 def _open_when_released(path, barrier, out):
-    from trainflow.launch.rdzv_db import ensure_schema
+    from trainflow.launch.rdzv_db import ensure_schema  # imported by the parent: nothing to load
 
-    barrier.wait()
     try:
+        barrier.wait(timeout=30)
         ensure_schema(path)
         out.put(None)
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -121,6 +121,13 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
     rendezvous database. Without the retry ~2% of such openings failed and the node's agent
     died before the rendezvous, leaving its peers waiting out the join timeout."""
     import multiprocessing as mp
+    import queue
+
+    # Everything the children run is imported here, before they fork: importing torch (which
+    # the rendezvous module loads) in 180 forked children of a threaded pytest worker was slow
+    # on a loaded machine and could leave a child stuck, its answer never coming.
+    import trainflow.launch.rdzv_db  # noqa: F401
+    import trainflow.statedb  # noqa: F401
 
     ctx = mp.get_context("fork")
     errors = []
@@ -132,5 +139,11 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
             p.start()
         for p in procs:
             p.join(timeout=60)
-        errors += [e for e in (out.get(timeout=5) for _ in procs) if e]
+        for p in procs:
+            try:
+                errors.append(out.get(timeout=5))
+            except queue.Empty:
+                errors.append(f"trial {trial}: a child never answered (exit codes "
+                              f"{[q.exitcode for q in procs]})")
+        errors = [e for e in errors if e]
     assert errors == []
