@@ -126,8 +126,9 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
     # Everything the children run is imported here, before they fork: importing torch (which
     # the rendezvous module loads) in 180 forked children of a threaded pytest worker was slow
     # on a loaded machine and could leave a child stuck, its answer never coming.
-    import trainflow.launch.rdzv_db  # noqa: F401
-    import trainflow.statedb  # noqa: F401
+    from trainflow.launch.rdzv_db import ensure_schema
+
+    ensure_schema(tmp_path / "parent.db")  # loads the database modules too
 
     ctx = mp.get_context("fork")
     errors = []
