@@ -6,12 +6,15 @@ a fault that falls due while the gang is still restarting waits until every rank
 again):
 
 - trainflow: the node agents restart the gang, which resumes from the newest verified
-  checkpoint. Goodput is measured twice: from the run's fault timeline
+  checkpoint. Goodput is measured from the run's fault timeline
   (``trainflow.goodput.summarize``: 1 − (recovery + redone steps) / wall) and against
-  the clock, twice: (steps / clean step rate) / wall, the clean rate measured by a
-  fault-free calibration gang first (this charges the gang's start-up and end to the
-  faults), and the wall time of the same run without faults / wall (a clean run of
-  the same steps goes first; start-up, checkpoints and the end cost both the same).
+  the clock, three ways: with the machine's speed measured beside each fault
+  (``clock_goodput``: the figure the goal is judged by; the same method on the clean run
+  is its control and reads 1.000 when the method charges nothing that is not a fault);
+  (steps / clean step rate) / wall, the clean rate measured by a fault-free calibration
+  gang first; and the wall time of the same run without faults / wall (a clean run of
+  the same steps goes first). The last two compare runs minutes apart, so they carry the
+  machine's drift (108–123 steps/s on this machine within tens of minutes).
 - baseline, plain Airflow retries without resume: each fault fails the attempt and the
   retry starts over from step 0 in a fresh workspace (retry delay 0, generous to it).
   It is given ``--baseline-attempts`` attempts; a run that never finishes keeps no work,
