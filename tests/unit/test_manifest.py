@@ -154,3 +154,27 @@ def test_file_digests_are_blake3_and_sha256_manifests_of_older_versions_still_ve
     assert manifest.verify(ref.path) is None
     with pytest.raises(CheckpointError, match="unknown file digest 'md5'"):
         manifest.hasher("md5")
+
+
+def test_the_download_sink_hashes_pieces_in_file_order_whatever_order_they_arrive(tmp_path):
+    """The S3 download target: ranges land at their offsets in any order; the digest is of
+    the file's bytes in order, computed as they arrive (pieces ahead of the hashed prefix
+    wait); a range written twice (a retried GET) makes it hash the file again from disk."""
+    import random
+
+    from trainflow.checkpoint.s3 import _HashingSink
+
+    data = random.Random(3).randbytes(10_000)
+    pieces = [(o, data[o:o + 1000]) for o in range(0, len(data), 1000)]
+    want = manifest.hasher()
+    want.update(data)
+    for name, order, again in (("in-order", pieces, []), ("shuffled", random.Random(1).sample(pieces, 10), []),
+                               ("retried", pieces[:6], pieces[2:])):
+        sink = _HashingSink(tmp_path / name, manifest.DIGEST, chunk_size=1000)
+        for offset, piece in order + again:
+            assert sink.seek(offset) == offset and sink.tell() == offset
+            assert sink.write(piece) == len(piece)
+        digest, size = sink.finish()
+        assert (tmp_path / name).read_bytes() == data and size == len(data), name
+        assert digest == want.hexdigest(), name
+        assert sink.rewritten == (name == "retried")
