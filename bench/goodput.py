@@ -122,18 +122,24 @@ def clock_goodput(trace: Trace, steps: int, period: float, settle: float = 10.0)
     end = next((t for t, s in trace.samples if s >= steps), trace.samples[-1][0])
     cuts = list(trace.faults) or [start + period * k for k in range(1, int((end - start) // period) + 1)]
     bounds = [start] + [c for c in cuts if start < c < end] + [end]
+    spans = list(zip(bounds, bounds[1:]))
+    # The first piece starts at the first step: its steady part needs no settling.
+    rates = [trace.rate(t0 + (settle if t0 != start else 0.0), t1) for t0, t1 in spans]
+    if not any(rates):
+        raise ValueError("no piece of the run was long enough to measure its rate")
+    # A piece too short to measure (a fault near the end) takes its neighbour's rate: its
+    # fault is still charged, never left out.
+    borrowed = [r is None for r in rates]
+    for i in [*range(len(rates)), *reversed(range(len(rates)))]:
+        if rates[i] is None:
+            rates[i] = rates[i - 1] if i > 0 and rates[i - 1] else (rates[i + 1] if i + 1 < len(rates) else None)
     pieces = []
-    for t0, t1 in zip(bounds, bounds[1:]):
-        # The first piece starts at the first step: its steady part needs no settling.
-        r = trace.rate(t0 + (settle if t0 != start else 0.0), t1)
+    for (t0, t1), r, b in zip(spans, rates, borrowed):
         ds = trace.step_at(t1) - trace.step_at(t0) if t1 != end else steps - trace.step_at(t0)
-        pieces.append({"wall_s": round(t1 - t0, 2), "steps": ds, "steps_per_s": round(r, 1) if r else None,
-                       "clean_s": round(ds / r, 2) if r else None})
-    measured = [p for p in pieces if p["clean_s"] is not None]
-    clean_s = sum(p["clean_s"] for p in measured)
-    wall = sum(p["wall_s"] for p in measured)
-    return {"goodput": clean_s / wall if wall else None, "wall_s": round(end - start, 1),
-            "unmeasured_pieces": len(pieces) - len(measured), "pieces": pieces}
+        pieces.append({"wall_s": round(t1 - t0, 2), "steps": ds, "steps_per_s": round(r, 1),
+                       "rate_borrowed": b, "clean_s": round(ds / r, 2)})
+    return {"goodput": sum(p["clean_s"] for p in pieces) / (end - start), "wall_s": round(end - start, 1),
+            "pieces": pieces}
 
 
 def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int, Trace]:
