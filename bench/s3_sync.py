@@ -12,9 +12,13 @@ manifest as it arrives, partial dir and rename) vs a bare ``TransferManager`` do
 the same stored objects; and ``shutil.copytree`` of the checkpoint
 to another directory on the same disk (what the ``file://`` tier does before verifying).
 
-    .venv/bin/python bench/s3_sync.py [--rounds 3] [--shards 4] [--shard-mb 64]
+    .venv/bin/python bench/s3_sync.py [--rounds 3] [--shards 4] [--shard-mb 64] [--server-cpu 1]
 
-Writes bench/results/s3_sync.json; goal: upload and download ≥ 0.9× raw TransferManager.
+By default the server and the clients share every CPU (on two cores the server's work and
+the download's hashing compete); ``--server-cpu N`` gives the server CPU N alone and the
+clients the rest, as a server on hardware of its own would (S3 never runs on the training
+node). Writes bench/results/s3_sync.json (``--server-cpu``: s3_sync_server_cpu.json);
+goal: upload and download ≥ 0.9× raw TransferManager.
 """
 
 from __future__ import annotations
@@ -60,11 +64,24 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "s3_sync.json")
+    parser.add_argument("--server-cpu", type=int, default=None,
+                        help="run the S3 server on this CPU and both clients on the others (the "
+                             "server on hardware of its own, as S3 is; default: all share every CPU)")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.out is None:
+        args.out = REPO / "bench" / "results" / ("s3_sync.json" if args.server_cpu is None
+                                                 else "s3_sync_server_cpu.json")
     work = Path(tempfile.mkdtemp(prefix="tf-s3-bench-", dir=os.environ.get("TRAINFLOW_BENCH_DIR")))
     settings = TransferSettings()
-    server = SeaweedS3(work / "s3").start()
+    server_cpus = None
+    if args.server_cpu is not None:
+        server_cpus = {args.server_cpu}
+        client_cpus = os.sched_getaffinity(0) - server_cpus
+        if not client_cpus:
+            parser.error(f"--server-cpu {args.server_cpu} leaves no CPU for the clients")
+        os.sched_setaffinity(0, client_cpus)  # before any thread starts: they all inherit it
+    server = SeaweedS3(work / "s3", cpus=server_cpus).start()
     series: dict[str, list[float]] = {k: [] for k in ("ours_up", "raw_up", "raw_checked_up", "ours_down", "raw_down",
                                                       "local_copy")}
     try:
@@ -127,6 +144,8 @@ def main() -> int:
         med = {k: statistics.median(v) for k, v in series.items()}
         result = {
             "bench": "s3_sync", "server": "SeaweedFS weed mini on 127.0.0.1 (data on local disk)",
+            "cpus": ({"server": sorted(server_cpus), "clients": sorted(os.sched_getaffinity(0))}
+                     if server_cpus else f"shared: all {os.cpu_count()}"),
             "checkpoint_mb": round(mb, 1), "files": len(files), "rounds": args.rounds,
             "transfer": {"multipart_mb": settings.chunk_size / 2**20, "concurrency": settings.concurrency},
             "seconds": series, "median_s": med,

@@ -35,8 +35,11 @@ def weed_binary() -> str:
 class SeaweedS3:
     """``weed mini`` bound to 127.0.0.1 with telemetry off, one identity, one bucket."""
 
-    def __init__(self, root: Path, *, bucket: str = "trainflow", access_key: str = "trainflow") -> None:
-        self.root, self.bucket = Path(root), bucket
+    def __init__(self, root: Path, *, bucket: str = "trainflow", access_key: str = "trainflow",
+                 cpus: set[int] | None = None) -> None:
+        """``cpus``: run the server on these CPUs only (a benchmark's stand-in for a server
+        on machines of its own); None: wherever the kernel puts it."""
+        self.root, self.bucket, self.cpus = Path(root), bucket, cpus
         self.access_key, self.secret_key = access_key, secrets.token_hex(16)
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
@@ -64,7 +67,8 @@ class SeaweedS3:
              "-master.telemetry=false", "-admin.ui=false", f"-master.port={ports['master']}",
              f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
              f"-webdav.port={ports['webdav']}", f"-s3.port={self.port}", f"-s3.config={config}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
         from trainflow.checkpoint.s3 import client
 
         deadline = time.time() + timeout
