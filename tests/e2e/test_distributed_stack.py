@@ -348,9 +348,13 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
     from trainflow.worker.evaluate import evaluate
 
     client, _ = clean
-    steps = 3000
-    runs = {"dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps},
-            "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps}}
+    # Each stop costs every node task one try; on a loaded machine a try started as the
+    # stack comes back can be lost too (CI: node 0's first try after the restart stopped
+    # logging at once and the scheduler retried it, the 20-s task heartbeat timeout of this
+    # stack), so the runs get a retry budget of five instead of the default two.
+    steps, retries = 3000, 5
+    runs = {"dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps, "retries": retries},
+            "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps, "retries": retries}}
     keys = {f"{c['tenant']}/{DAG}/{r}": 2 for r, c in runs.items()}
     dirs = {r: Path(dist_stack.trainflow_home) / "runs" / c["tenant"] / DAG / r for r, c in runs.items()}
     for run_id, conf in runs.items():
