@@ -3,16 +3,19 @@
 
 A real S3 server on loopback (SeaweedFS ``weed mini``, data on disk). The checkpoint:
 ``--shards`` rank files of ``--shard-mb`` MiB plus DCP's small metadata, committed with a
-manifest. Per round, alternating: trainflow's ``S3Store.upload`` (every file hashed with
-BLAKE3 as it is read and checked against the manifest, a server-checked CRC32C per part,
-sizes compared with the manifest, manifest last) vs a bare ``TransferManager`` upload of
-the same files with the same transfer settings (and a third: the bare upload with the same
-part checksums as ours); then ``S3Store.download`` (every file's BLAKE3 checked against the
-manifest as it arrives, partial dir and rename) vs a bare ``TransferManager`` download of
-the same stored objects; and ``shutil.copytree`` of the checkpoint
-to another directory on the same disk (what the ``file://`` tier does before verifying).
+manifest. Per round (``--rounds``), alternating which goes first: trainflow's
+``S3Store.upload`` (every file hashed with BLAKE3 as it is read and checked against the
+manifest, a server-checked CRC32C per part, sizes compared with the manifest, manifest
+last) vs a bare ``TransferManager`` upload of the same files with the same transfer
+settings (and a third: the bare upload with the same part checksums as ours); and
+each after the disk has written out the one before. Then, once the server has written all
+of that, ``--down-rounds`` pairs, alternating which goes first: ``S3Store.download`` (every
+file's BLAKE3 checked against the manifest as it arrives, partial dir and rename) vs a bare
+``TransferManager`` download of the same stored objects. Last, ``--rounds`` times,
+``shutil.copytree`` of the checkpoint to another directory on the same disk (what the
+``file://`` tier does before verifying).
 
-    .venv/bin/python bench/s3_sync.py [--rounds 3] [--shards 4] [--shard-mb 64] [--server-cpu 1]
+    .venv/bin/python bench/s3_sync.py [--rounds 3] [--down-rounds 40] [--shards 4] [--shard-mb 64] [--server-cpu 1]
 
 By default the server and the clients share every CPU (on two cores the server's work and
 the download's hashing compete); ``--server-cpu N`` gives the server CPU N alone and the
@@ -59,9 +62,19 @@ def drop_caches(path: Path) -> None:
     drop_from_page_cache(p for p in path.rglob("*") if p.is_file())
 
 
+def settle(seconds: float = 1.0) -> None:
+    """Write out every dirty page (the server's last upload included) and wait, so the
+    background writing of one timed transfer does not land on the next: timed back to
+    back, whichever upload of a round ran second took ~2.0 s against the first's ~1.5."""
+    os.sync()
+    time.sleep(seconds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--down-rounds", type=int, default=40,
+                        help="timed download pairs (trainflow's, raw), alternating which goes first")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=64)
     parser.add_argument("--server-cpu", type=int, default=None,
@@ -102,12 +115,15 @@ def main() -> int:
                 for f in [tm.download(server.bucket, f"{prefix}/{rel}", str(dest / rel)) for rel in files]:
                     f.result()
 
+        stores = []
         for i in range(args.rounds):
             store = S3Store(s3, server.bucket, "bench", tenant="bench", dag_id="bench", run_id=f"ours-{i}",
                             settings=settings)
+            stores.append(store)
             order = ("ours", "raw") if i % 2 == 0 else ("raw", "ours")
             for who in order + ("raw_checked",):
                 drop_caches(Path(ref.path))
+                settle()
                 t0 = time.perf_counter()
                 if who == "ours":
                     store.upload(ref)
@@ -116,16 +132,16 @@ def main() -> int:
                 else:  # the same server-checked part checksums as ours, nothing else
                     raw_up(f"bench/raw-checked-{i}", {"ChecksumAlgorithm": part_checksum()})
                 series[f"{who}_up"].append(time.perf_counter() - t0)
-            # Let the server finish writing this round's ~800 MB of uploads before the downloads
-            # are timed (a flush in the background would land on whichever download runs first).
-            os.sync()
-            time.sleep(2)
-            # Whichever download ran first after the uploads took ~3x as long as the second
-            # (0.85 vs 0.28 s, either side): an untimed download first, so both timed ones
-            # find the server in the same state.
-            raw_down(store._key(100), work / "warm-up")
-            shutil.rmtree(work / "warm-up")
-            for who in order:
+        # The downloads in a phase of their own, once the server has written every upload
+        # (timed between the upload rounds, single downloads of either side took 0.4-0.9 s
+        # against their usual 0.25 s, a third of them in some runs), after one untimed
+        # download.
+        settle(5)
+        store = stores[0]
+        raw_down(store._key(100), work / "warm-up")
+        shutil.rmtree(work / "warm-up")
+        for i in range(args.down_rounds):
+            for who in (("ours", "raw") if i % 2 == 0 else ("raw", "ours")):
                 dest = work / f"down-{who}-{i}"
                 t0 = time.perf_counter()
                 if who == "ours":
@@ -135,18 +151,25 @@ def main() -> int:
                     raw_down(store._key(100), dest)
                 series[f"{who}_down"].append(time.perf_counter() - t0)
                 shutil.rmtree(dest)
+        for i in range(args.rounds):
             drop_caches(Path(ref.path))
+            settle()
             t0 = time.perf_counter()
             shutil.copytree(ref.path, work / f"copy-{i}")
             series["local_copy"].append(time.perf_counter() - t0)
             shutil.rmtree(work / f"copy-{i}")
         mb = ref.bytes / 1e6
+
+        def paired(kind: str) -> list[float]:
+            return [raw / ours for raw, ours in zip(series[f"raw_{kind}"], series[f"ours_{kind}"])]
+
         med = {k: statistics.median(v) for k, v in series.items()}
         result = {
             "bench": "s3_sync", "server": "SeaweedFS weed mini on 127.0.0.1 (data on local disk)",
             "cpus": ({"server": sorted(server_cpus), "clients": sorted(os.sched_getaffinity(0))}
                      if server_cpus else f"shared: all {os.cpu_count()}"),
             "checkpoint_mb": round(mb, 1), "files": len(files), "rounds": args.rounds,
+            "down_rounds": args.down_rounds,
             "transfer": {"multipart_mb": settings.chunk_size / 2**20, "concurrency": settings.concurrency},
             "seconds": series, "median_s": med,
             "mb_per_s": {k: round(mb / v, 1) for k, v in med.items()},
@@ -154,6 +177,11 @@ def main() -> int:
             "upload_vs_raw_checked": round(med["raw_checked_up"] / med["ours_up"], 3),
             "part_checksum": part_checksum(),
             "download_vs_raw": round(med["raw_down"] / med["ours_down"], 3),
+            # Each pair ran back to back: the median of the pairs' ratios is the least moved
+            # by the machine's slow spells (single transfers of either side at 2-3x their
+            # usual time, several in a row), which the medians of the two series are not.
+            "upload_vs_raw_paired": round(statistics.median(paired("up")), 3),
+            "download_vs_raw_paired": round(statistics.median(paired("down")), 3),
             "upload_vs_local_copy": round(med["local_copy"] / med["ours_up"], 3),
             "download_vs_local_copy": round(med["local_copy"] / med["ours_down"], 3),
             "machine": {"cpus": os.cpu_count()}, "time": time.time(),
@@ -161,6 +189,7 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: result[k] for k in ("checkpoint_mb", "mb_per_s", "upload_vs_raw", "upload_vs_raw_checked", "download_vs_raw",
+                                                 "upload_vs_raw_paired", "download_vs_raw_paired",
                                                  "upload_vs_local_copy", "download_vs_local_copy")}, indent=1))
         return 0
     finally:

@@ -97,6 +97,40 @@ def test_an_upload_without_its_manifest_is_never_used(tmp_path, s3_server):
     assert store.newest(tmp_path / "resume", training_hash=THASH).step == 50
 
 
+def test_a_download_lists_the_step_once_and_sends_no_head_per_file(tmp_path, s3_server):
+    """Sizes and ETags come from one listing: no HEAD per file, and every ranged GET of a
+    multipart file carries the listed ETag (If-Match)."""
+    s3 = s3_server.client(settings=SMALL)
+    store = _store(s3, s3_server, "run-lists")
+    ref = _checkpoint(tmp_path / "local", 100)
+    store.upload(ref)
+    calls: list[tuple[str, dict]] = []
+    s3.meta.events.register("provide-client-params.s3.*",
+                            lambda params, model, **_: calls.append((model.name, dict(params))))
+    got = store.download(100, tmp_path / "elsewhere", training_hash=THASH)
+    assert got.manifest_sha256 == ref.manifest_sha256
+    names = [name for name, _ in calls]
+    assert "HeadObject" not in names and names.count("ListObjectsV2") == 1, names
+    gets = [params for name, params in calls if name == "GetObject" and not params["Key"].endswith("/manifest.json")]
+    assert all(params.get("IfMatch") for params in gets), gets
+    big = sorted(params["Range"] for params in gets if params["Key"].endswith("/__0_0.distcp"))
+    assert big == ["bytes=0-5242879", "bytes=10485760-", "bytes=5242880-10485759"], big  # 12 MiB in 5 MiB parts
+    assert {params["Key"].rsplit("/", 1)[1] for params in gets} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+
+
+def test_a_file_missing_from_the_store_or_of_another_size_fails_before_any_transfer(tmp_path, s3_server):
+    s3 = s3_server.client(settings=SMALL)
+    store = _store(s3, s3_server, "run-missing")
+    store.upload(_checkpoint(tmp_path / "local", 100))
+    s3.delete_object(Bucket=s3_server.bucket, Key=store._key(100, "sub/.metadata"))
+    with pytest.raises(CheckpointError, match=r"step 100 in s3://.*: sub/\.metadata is missing as its manifest records"):
+        store.download(100, tmp_path / "a", training_hash=THASH)
+    s3.put_object(Bucket=s3_server.bucket, Key=store._key(100, "sub/.metadata"), Body=b"short")
+    with pytest.raises(CheckpointError, match=r"sub/\.metadata is 5 bytes, not 100 as its manifest records"):
+        store.download(100, tmp_path / "a", training_hash=THASH)
+    assert not list((tmp_path / "a").glob("step-*"))
+
+
 def test_a_corrupted_object_fails_verification_and_the_older_copy_is_used(tmp_path, s3_server, caplog):
     s3 = s3_server.client(settings=SMALL)
     store = _store(s3, s3_server, "run-3")

@@ -156,10 +156,27 @@ def test_file_digests_are_blake3_and_sha256_manifests_of_older_versions_still_ve
         manifest.hasher("md5")
 
 
-def test_the_download_sink_hashes_pieces_in_file_order_whatever_order_they_arrive(tmp_path):
+def test_a_downloaded_file_is_hashed_through_a_map_as_a_read_would_hash_it(tmp_path):
+    """The S3 download hashes each finished file through a memory map: the same digest as
+    reading it, for either algorithm, and an empty file (which cannot be mapped) too."""
+    import random
+
+    from trainflow.checkpoint.s3 import _digest_downloaded
+
+    for name, data in (("empty", b""), ("small", b"x"), ("large", random.Random(3).randbytes(5 * 2**20 + 7))):
+        (tmp_path / name).write_bytes(data)
+        for algorithm in manifest.DIGESTS:
+            want = manifest.hasher(algorithm)
+            want.update(data)
+            assert _digest_downloaded(tmp_path / name, algorithm) == want.hexdigest(), (name, algorithm)
+            assert manifest.file_digest(tmp_path / name, algorithm) == want.hexdigest(), (name, algorithm)
+
+
+def test_the_download_sink_hashes_the_written_prefix_whatever_order_the_ranges_arrive(tmp_path):
     """The S3 download target: ranges land at their offsets in any order; the digest is of
-    the file's bytes in order, computed as they arrive (pieces ahead of the hashed prefix
-    wait); a range written twice (a retried GET) makes it hash the file again from disk."""
+    the file's bytes in order, computed as the written prefix grows (from the file itself,
+    nothing held in memory); a range written twice (a retried GET) or beyond the expected
+    size makes it hash the file again from disk."""
     import random
 
     from trainflow.checkpoint.s3 import _HashingSink
@@ -168,13 +185,17 @@ def test_the_download_sink_hashes_pieces_in_file_order_whatever_order_they_arriv
     pieces = [(o, data[o:o + 1000]) for o in range(0, len(data), 1000)]
     want = manifest.hasher()
     want.update(data)
-    for name, order, again in (("in-order", pieces, []), ("shuffled", random.Random(1).sample(pieces, 10), []),
-                               ("retried", pieces[:6], pieces[2:])):
-        sink = _HashingSink(tmp_path / name, manifest.DIGEST, chunk_size=1000)
+    cases = (("in-order", pieces, [], len(data)), ("shuffled", random.Random(1).sample(pieces, 10), [], len(data)),
+             ("retried", pieces[:6], pieces[2:], len(data)), ("longer", pieces, [], len(data) - 1000))
+    for name, order, again, expected in cases:
+        sink = _HashingSink(tmp_path / name, manifest.DIGEST, expected)
         for offset, piece in order + again:
             assert sink.seek(offset) == offset and sink.tell() == offset
             assert sink.write(piece) == len(piece)
         digest, size = sink.finish()
         assert (tmp_path / name).read_bytes() == data and size == len(data), name
         assert digest == want.hexdigest(), name
-        assert sink.rewritten == (name == "retried")
+        assert sink.in_doubt == (name in ("retried", "longer")), name
+        assert not sink.written or sink.in_doubt, name
+    empty = _HashingSink(tmp_path / "empty", manifest.DIGEST, 0)
+    assert empty.finish() == (manifest.hasher().hexdigest(), 0)
