@@ -118,6 +118,22 @@ def test_a_download_lists_the_step_once_and_sends_no_head_per_file(tmp_path, s3_
     assert {params["Key"].rsplit("/", 1)[1] for params in gets} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
 
 
+def test_a_listed_etag_the_store_refuses_falls_back_to_a_head_per_file(tmp_path, s3_server, monkeypatch, caplog):
+    """A store whose listing reports other ETags than its GETs compare: the server refuses the
+    If-Match (412) and the download fetches again with each file's ETag from a HEAD."""
+    s3 = s3_server.client(settings=SMALL)
+    store = _store(s3, s3_server, "run-etag")
+    ref = _checkpoint(tmp_path / "local", 100)
+    store.upload(ref)
+    listed = store._listed
+    monkeypatch.setattr(store, "_listed", lambda step: {rel: dict(o, ETag='"0123456789abcdef0123456789abcdef"')
+                                                       for rel, o in listed(step).items()})
+    got = store.download(100, tmp_path / "elsewhere", training_hash=THASH)
+    assert got.manifest_sha256 == ref.manifest_sha256
+    assert _files(Path(got.path)) == _files(Path(ref.path))
+    assert "refused the listed ETag" in caplog.text
+
+
 def test_a_file_missing_from_the_store_or_of_another_size_fails_before_any_transfer(tmp_path, s3_server):
     s3 = s3_server.client(settings=SMALL)
     store = _store(s3, s3_server, "run-missing")

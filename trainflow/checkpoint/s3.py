@@ -12,7 +12,8 @@ without a manifest is incomplete and never used. Integrity end to end:
   with the manifest, and only then is the manifest written;
 - download: into ``step-<s>.partial``, every file's digest (BLAKE3, or an older
   checkpoint's SHA-256) computed as it arrives (from the page cache, as the written
-  prefix grows) and checked against the manifest, then renamed into place — a copy is complete and verified or absent.
+  prefix grows) and checked against the manifest, then renamed into place — a copy is
+  complete and verified or absent.
 
 Transfers run through boto3's transfer manager (multipart, concurrent parts and files);
 throttling and 5xx answers are retried with exponential backoff by botocore's
@@ -221,6 +222,18 @@ class _HashingSink:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _error_code(exc: BaseException | None) -> str | None:
+    """The S3 error code of a botocore ``ClientError``, or of the one that caused ``exc``
+    (s3transfer raises its own error from a GET's failed If-Match); None if there is none."""
+    seen = 0
+    while exc is not None and seen < 8:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return response["Error"]["Code"]
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def _known_object(size: int, etag: str):
@@ -433,8 +446,6 @@ class S3Store:
         tmp = manifest.partial_dir(dest_root, step).with_name(f"step-{step:08d}.download-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        sinks: dict[str, _HashingSink] = {}
-        hashers: list[ThreadPoolExecutor] = []
         try:
             stored = self._listed(step)
             for rel in sorted(files):
@@ -444,22 +455,17 @@ class S3Store:
                         f"step {step} in {self.uri}: {rel} is " + ("missing" if rel not in stored else
                                                                   f"{stored[rel]['Size']} bytes, not {files[rel]['size']}")
                         + " as its manifest records")
-            # Every file is hashed while it downloads (_HashingSink). Its size and ETag come
-            # from the one listing above, so no file waits on a HEAD request of its own; the
-            # ranged GETs carry the ETag (If-Match): a file replaced mid-download fails.
-            # The files share a hashing thread per CPU (a file always the same one).
-            hashers = [ThreadPoolExecutor(max_workers=1) for _ in range(max(1, min(len(files), os.cpu_count() or 1)))]
-            with self._manager() as tm:
-                pending = []
-                for i, rel in enumerate(sorted(files)):
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0], files[rel]["size"],
-                                              hashers[i % len(hashers)])
-                    pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel],
-                                               subscribers=[_known_object(stored[rel]["Size"], stored[rel]["ETag"])]))
-                for fut in pending:
-                    fut.result()
-            digests = {rel: sink.finish() for rel, sink in sinks.items()}
+            try:
+                digests = self._fetch(step, files, tmp, stored)
+            except Exception as exc:  # noqa: BLE001 - only a failed If-Match is tried again
+                if _error_code(exc) not in ("PreconditionFailed", "412"):
+                    raise
+                # A store whose listing gives other ETags than its GETs compare (or a file
+                # replaced since the listing): once more, each file's size and ETag from a
+                # HEAD of its own. A replaced file then fails its digest check below.
+                log.warning("step %s in %s: a ranged GET refused the listed ETag (%s); fetching again "
+                            "with an ETag from each file's HEAD", step, self.uri, exc)
+                digests = self._fetch(step, files, tmp, None)
             bad = [rel for rel, (digest, size) in digests.items()
                    if digest != manifest.entry_digest(files[rel])[1] or size != files[rel]["size"]]
             if bad:
@@ -482,12 +488,36 @@ class S3Store:
                 if done is None or done.manifest_sha256 != ref.manifest_sha256:
                     raise
         finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return ref
+
+    def _fetch(self, step: int, files: dict, tmp: Path, stored: dict[str, dict] | None) -> dict[str, tuple[str, int]]:
+        """Download step ``step``'s ``files`` into ``tmp``; each file's (digest, size).
+
+        Every file is hashed while it downloads (_HashingSink), the files sharing a hashing
+        thread per CPU (a file always the same one). With ``stored`` (the step's listing),
+        each file's size and ETag come from it, so no file waits on a HEAD request of its
+        own; either way the ranged GETs carry the ETag (If-Match): a file replaced
+        mid-download fails."""
+        sinks: dict[str, _HashingSink] = {}
+        hashers = [ThreadPoolExecutor(max_workers=1) for _ in range(max(1, min(len(files), os.cpu_count() or 1)))]
+        try:
+            with self._manager() as tm:
+                pending = []
+                for i, rel in enumerate(sorted(files)):
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0], files[rel]["size"],
+                                              hashers[i % len(hashers)])
+                    known = [] if stored is None else [_known_object(stored[rel]["Size"], stored[rel]["ETag"])]
+                    pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel], subscribers=known))
+                for fut in pending:
+                    fut.result()
+            return {rel: sink.finish() for rel, sink in sinks.items()}
+        finally:
             for sink in sinks.values():
                 sink.close()
             for pool in hashers:
                 pool.shutdown(wait=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        return ref
 
     def newest(self, dest_root: Path, *, training_hash: str | None = None,
                world_size: int | None = None) -> manifest.CheckpointRef | None:
