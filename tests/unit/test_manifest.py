@@ -199,3 +199,26 @@ def test_the_download_sink_hashes_the_written_prefix_whatever_order_the_ranges_a
         assert not sink.written or sink.in_doubt, name
     empty = _HashingSink(tmp_path / "empty", manifest.DIGEST, 0)
     assert empty.finish() == (manifest.hasher().hexdigest(), 0)
+
+
+def test_download_sinks_sharing_one_hashing_thread_each_hash_their_own_file_in_order(tmp_path):
+    """A download's files share hashing threads: updates of several files interleave on
+    one thread, each file's still in order."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainflow.checkpoint.s3 import _HashingSink
+
+    rng = random.Random(5)
+    datas = {name: rng.randbytes(20_000 + 13 * i) for i, name in enumerate(("a", "b", "c"))}
+    with ThreadPoolExecutor(max_workers=1) as shared:
+        sinks = {name: _HashingSink(tmp_path / name, manifest.DIGEST, len(data), shared) for name, data in datas.items()}
+        writes = [(name, o, data[o:o + 1000]) for name, data in datas.items() for o in range(0, len(data), 1000)]
+        for name, offset, piece in rng.sample(writes, len(writes)):
+            sinks[name].seek(offset)
+            sinks[name].write(piece)
+        for name, sink in sinks.items():
+            want = manifest.hasher()
+            want.update(datas[name])
+            assert sink.finish() == (want.hexdigest(), len(datas[name])), name
+            assert not sink.in_doubt, name

@@ -29,7 +29,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +117,11 @@ def _digest_downloaded(path: Path, algorithm: str) -> str:
     h = manifest.hasher(algorithm)
     with open(path, "rb") as fh:
         if os.fstat(fh.fileno()).st_size:
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            try:
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # a filesystem that cannot map
+                return manifest.file_digest(path, algorithm)
+            with mapped:
                 h.update(mapped)
     return h.hexdigest()
 
@@ -155,11 +161,18 @@ class _HashingSink:
         # One thread (updates stay in order), the file's own or shared with other files.
         self.owns_hasher = hasher is None
         self.hasher = hasher or ThreadPoolExecutor(max_workers=1)
-        self.hashing: list = []
+        self.hashing = None  # the newest update queued (the thread runs them in order)
         self.map = None
-        if self.expected > 0:
-            os.ftruncate(self.fd, self.expected)
-            self.map = mmap.mmap(self.fd, self.expected, access=mmap.ACCESS_READ)
+        try:
+            if self.expected > 0:
+                os.ftruncate(self.fd, self.expected)
+                self.map = mmap.mmap(self.fd, self.expected, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # a filesystem that cannot map: hashed from disk at the end
+            log.info("%s: cannot map the file (%s); it is hashed after the download", self.path.name, exc)
+            self.in_doubt = True
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def seekable(self) -> bool:
         return True
@@ -189,7 +202,7 @@ class _HashingSink:
         while grown in self.written:
             grown = self.written.pop(grown)
         if grown > self.prefix:
-            self.hashing.append(self.hasher.submit(self._update, self.prefix, grown))
+            self.hashing = self.hasher.submit(self._update, self.prefix, grown)
             self.prefix = grown
         return done
 
@@ -213,40 +226,15 @@ class _HashingSink:
     def close(self) -> None:
         if self.owns_hasher:
             self.hasher.shutdown(wait=True)
-        for fut in self.hashing:  # a shared thread: wait for this file's updates
-            fut.exception()
-        self.hashing.clear()
+        if self.hashing is not None:  # a shared thread: wait for this file's updates
+            self.hashing.exception()
+            self.hashing = None
         if self.map is not None:
             self.map.close()
             self.map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _error_code(exc: BaseException | None) -> str | None:
-    """The S3 error code of a botocore ``ClientError``, or of the one that caused ``exc``
-    (s3transfer raises its own error from a GET's failed If-Match); None if there is none."""
-    seen = 0
-    while exc is not None and seen < 8:
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
-            return response["Error"]["Code"]
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
-
-
-def _known_object(size: int, etag: str):
-    """A transfer subscriber that hands s3transfer an object's size and ETag, as a HEAD
-    request would have (both are needed for it to skip the HEAD)."""
-    from s3transfer.subscribers import BaseSubscriber
-
-    class KnownObject(BaseSubscriber):
-        def on_queued(self, future, **kwargs):
-            future.meta.provide_transfer_size(size)
-            future.meta.provide_object_etag(etag)
-
-    return KnownObject()
 
 
 class _HashingSource:
@@ -443,10 +431,15 @@ class S3Store:
             if ref is not None and ref.manifest_sha256 == hashlib.sha256(body).hexdigest():
                 return ref
         files = json.loads(body)["files"]
-        tmp = manifest.partial_dir(dest_root, step).with_name(f"step-{step:08d}.download-{os.getpid()}")
+        # Private to this download: nodes of a gang may share ``dest_root`` and have equal pids.
+        tmp = manifest.partial_dir(dest_root, step).with_name(
+            f"step-{step:08d}.download-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
+            # One listing: a file missing from the store, or of another size than its
+            # manifest entry, fails here as a CheckpointError (so ``newest`` goes on to an
+            # older checkpoint) before a byte is fetched.
             stored = self._listed(step)
             for rel in sorted(files):
                 _check_path(rel, f"step {step}")
@@ -455,17 +448,7 @@ class S3Store:
                         f"step {step} in {self.uri}: {rel} is " + ("missing" if rel not in stored else
                                                                   f"{stored[rel]['Size']} bytes, not {files[rel]['size']}")
                         + " as its manifest records")
-            try:
-                digests = self._fetch(step, files, tmp, stored)
-            except Exception as exc:  # noqa: BLE001 - only a failed If-Match is tried again
-                if _error_code(exc) not in ("PreconditionFailed", "412"):
-                    raise
-                # A store whose listing gives other ETags than its GETs compare (or a file
-                # replaced since the listing): once more, each file's size and ETag from a
-                # HEAD of its own. A replaced file then fails its digest check below.
-                log.warning("step %s in %s: a ranged GET refused the listed ETag (%s); fetching again "
-                            "with an ETag from each file's HEAD", step, self.uri, exc)
-                digests = self._fetch(step, files, tmp, None)
+            digests = self._fetch(step, files, tmp)
             bad = [rel for rel, (digest, size) in digests.items()
                    if digest != manifest.entry_digest(files[rel])[1] or size != files[rel]["size"]]
             if bad:
@@ -491,14 +474,11 @@ class S3Store:
             shutil.rmtree(tmp, ignore_errors=True)
         return ref
 
-    def _fetch(self, step: int, files: dict, tmp: Path, stored: dict[str, dict] | None) -> dict[str, tuple[str, int]]:
+    def _fetch(self, step: int, files: dict, tmp: Path) -> dict[str, tuple[str, int]]:
         """Download step ``step``'s ``files`` into ``tmp``; each file's (digest, size).
 
         Every file is hashed while it downloads (_HashingSink), the files sharing a hashing
-        thread per CPU (a file always the same one). With ``stored`` (the step's listing),
-        each file's size and ETag come from it, so no file waits on a HEAD request of its
-        own; either way the ranged GETs carry the ETag (If-Match): a file replaced
-        mid-download fails."""
+        thread per CPU (a file always the same one)."""
         sinks: dict[str, _HashingSink] = {}
         hashers = [ThreadPoolExecutor(max_workers=1) for _ in range(max(1, min(len(files), os.cpu_count() or 1)))]
         try:
@@ -508,8 +488,7 @@ class S3Store:
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                     sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0], files[rel]["size"],
                                               hashers[i % len(hashers)])
-                    known = [] if stored is None else [_known_object(stored[rel]["Size"], stored[rel]["ETag"])]
-                    pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel], subscribers=known))
+                    pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel]))
                 for fut in pending:
                     fut.result()
             return {rel: sink.finish() for rel, sink in sinks.items()}

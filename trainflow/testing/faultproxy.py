@@ -1,5 +1,6 @@
 """An HTTP proxy on loopback that answers some requests with a fault instead of
-forwarding them (503 SlowDown, 500), to test retries against a real server."""
+forwarding them (503 SlowDown, 500), or cuts a GET's answer off mid-body, to test
+retries against a real server."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 class FaultProxy:
     """Forwards to ``upstream``; every ``every``-th request (from the ``start``-th on) gets
-    ``status`` with an S3 error body instead. ``injected`` counts them."""
+    ``status`` with an S3 error body instead, or with ``cut``, every such GET gets its
+    real status and headers but only the first half of its body before the connection
+    closes (a network drop mid-transfer). ``injected`` counts them."""
 
-    def __init__(self, upstream: str, *, every: int = 3, status: int = 503, start: int = 1) -> None:
+    def __init__(self, upstream: str, *, every: int = 3, status: int = 503, start: int = 1,
+                 cut: bool = False) -> None:
         self.upstream = urlparse(upstream)
-        self.every, self.status, self.start = every, status, start
+        self.every, self.status, self.start, self.cut = every, status, start, cut
         self.requests = self.injected = 0
         self._lock = threading.Lock()
         proxy = self
@@ -39,8 +43,10 @@ class FaultProxy:
                     proxy.requests += 1
                     n = proxy.requests
                     fault = n >= proxy.start and (n - proxy.start) % proxy.every == 0
+                    if proxy.cut and self.command != "GET":
+                        fault = False
                     proxy.injected += fault
-                if fault:
+                if fault and not proxy.cut:
                     payload = SLOW_DOWN if proxy.status == 503 else b"<Error><Code>InternalError</Code></Error>"
                     self.send_response(proxy.status)
                     self.send_header("Content-Type", "application/xml")
@@ -64,7 +70,11 @@ class FaultProxy:
                 self.send_header("Content-Length", resp.getheader("Content-Length", "0")
                                  if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if fault and len(data) > 1:  # cut: half the body, then the connection closes
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
 
