@@ -255,22 +255,38 @@ def cmd_logs(client, args) -> int:
 ACTIVE = ("running", "queued", "scheduled", "deferred", "up_for_retry", "up_for_reschedule", "restarting")
 
 
-def cmd_cancel(client, args) -> int:
+def cmd_cancel(client, args, *, recheck: int = 3, interval: float = 1.0) -> int:
     """Fail the run's active task instances (Airflow kills the running ones; no retry
     follows an externally set state); downstream tasks then fail upstream and the run fails,
     while the release teardown still frees its nodes. A run with no active task yet is
-    marked failed directly."""
+    marked failed directly.
+
+    A task failed while it is deferring (the heartbeat sensor just after it starts) can
+    have its deferral land after the new state and stay deferred, its trigger holding the
+    run open until it fires (seen: five minutes). So the run is looked at ``recheck`` more
+    times, ``interval`` seconds apart, and whatever is active again is failed again."""
     run = client.run(args.dag, args.run_id)
     if run["state"] in DONE:
         print(f"{args.dag}/{args.run_id} already ended: {run['state']}")
         return EXIT_OK
     base = f"/api/v2/dags/{_q(args.dag)}/dagRuns/{_q(args.run_id)}"
-    active = [t for t in client.task_instances(args.dag, args.run_id)
-              if t["state"] in ACTIVE and t["task_id"] != "release"]
-    for t in active:
-        path = f"{base}/taskInstances/{_q(t['task_id'])}" + (f"/{t['map_index']}" if t["map_index"] >= 0 else "")
-        client.call("PATCH", path, {"new_state": "failed", "note": "cancelled with trainflow cancel"})
+
+    def fail_active() -> int:
+        active = [t for t in client.task_instances(args.dag, args.run_id)
+                  if t["state"] in ACTIVE and t["task_id"] != "release"]
+        for t in active:
+            path = f"{base}/taskInstances/{_q(t['task_id'])}" + (f"/{t['map_index']}" if t["map_index"] >= 0 else "")
+            client.call("PATCH", path, {"new_state": "failed", "note": "cancelled with trainflow cancel"})
+        return len(active)
+
+    active = fail_active()
     if not active:
         client.call("PATCH", base, {"state": "failed"})
-    print(f"cancelled {args.dag}/{args.run_id}" + (f" ({len(active)} task instances failed)" if active else ""))
+    else:
+        for _ in range(recheck):
+            time.sleep(interval)
+            if client.run(args.dag, args.run_id)["state"] in DONE:
+                break
+            fail_active()
+    print(f"cancelled {args.dag}/{args.run_id}" + (f" ({active} task instances failed)" if active else ""))
     return EXIT_OK

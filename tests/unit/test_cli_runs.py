@@ -102,3 +102,52 @@ def test_progress_line_shows_steps_loss_eta_and_health():
     assert "[######..................] 100/400" in line
     assert "loss 0.5000" in line and "1200 samples/s" in line and "ETA 3m00s" in line
     assert "ranks 2/2 healthy" in line
+
+
+class _RacingAirflow:
+    """Task instances of a run as Airflow's REST API shows them; the heartbeat sensor is
+    deferring as it is cancelled, and its deferral lands just after the new state."""
+
+    def __init__(self) -> None:
+        self.states = {("heartbeat_watch", -1): "running", ("shard_train", 0): "running",
+                       ("shard_train", 1): "running", ("release", -1): None}
+        self.patched: list[str] = []
+        self.landed = False
+
+    def _deferral_lands(self) -> None:
+        """The sensor's deferral, sent before the cancel, lands after it."""
+        if self.patched and not self.landed:
+            self.landed = True
+            self.states[("heartbeat_watch", -1)] = "deferred"
+
+    def run(self, dag, run_id):
+        self._deferral_lands()
+        open_ = any(s in ("running", "deferred") for k, s in self.states.items() if k[0] != "release")
+        return {"state": "running" if open_ else "failed"}
+
+    def task_instances(self, dag, run_id):
+        self._deferral_lands()
+        return [{"task_id": t, "map_index": m, "state": s} for (t, m), s in self.states.items()]
+
+    def call(self, method, path, body=None):
+        assert method == "PATCH" and body["new_state"] == "failed", (method, path, body)
+        self.patched.append(path.split("/taskInstances/")[1])
+        task, _, index = self.patched[-1].partition("/")
+        self.states[(task, int(index) if index else -1)] = "failed"
+        return {}
+
+
+def test_cancel_fails_again_a_task_whose_deferral_landed_after_it(capsys):
+    """The e2e race seen on CI: the sensor was failed while it deferred, stayed deferred and
+    held the run open for five minutes; cancel looks again and fails it again."""
+    import argparse
+
+    from trainflow.cli_runs import cmd_cancel
+
+    airflow = _RacingAirflow()
+    assert cmd_cancel(airflow, argparse.Namespace(dag="train_digits", run_id="r1"), interval=0.0) == 0
+    assert airflow.patched.count("heartbeat_watch") == 2, airflow.patched
+    assert sorted(set(airflow.patched)) == ["heartbeat_watch", "shard_train/0", "shard_train/1"]
+    assert airflow.run("train_digits", "r1")["state"] == "failed"
+    assert airflow.states[("release", -1)] is None  # the teardown is left to free the nodes
+    assert "cancelled train_digits/r1 (3 task instances failed)" in capsys.readouterr().out
