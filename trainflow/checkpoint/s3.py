@@ -523,8 +523,7 @@ class S3Store:
         doomed = steps[keep:]
         for step in doomed:
             self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, manifest.MANIFEST))
-            keys = [o["Key"] for page in self.s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(step) + "/") for o in page.get("Contents", [])]
+            keys = [o["Key"] for o in self._listed(step).values()]
             for i in range(0, len(keys), 1000):
                 self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
                                                                    "Quiet": True})
