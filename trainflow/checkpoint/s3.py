@@ -143,8 +143,8 @@ class _HashingSink:
     hash keeps pace with the download and nothing waits in memory for it: the sink holds no
     data, and nothing is hashed after the last range lands but that range. (The first
     seekable sink kept pieces ahead of the prefix in memory until the hash reached them:
-    bench/s3_sync.py measured it at 0.72x the raw download's speed on two shared cores;
-    hashing each file once it was complete, 0.92x.) A range written twice (a GET retried
+    in experiments beside bench/s3_sync.py it ran at 0.72x the raw download's speed on two
+    shared cores; hashing each file once it was complete, 0.92x.) A range written twice (a GET retried
     after part of it had arrived), a write beyond the expected size or a file of another
     size leave the prefix in doubt: the file is then hashed again from the disk."""
 
@@ -434,7 +434,6 @@ class S3Store:
         # Private to this download: nodes of a gang may share ``dest_root`` and have equal pids.
         tmp = manifest.partial_dir(dest_root, step).with_name(
             f"step-{step:08d}.download-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
             # One listing: a file missing from the store, or of another size than its
