@@ -56,15 +56,31 @@ def test_params_are_generated_from_the_spec(dagbag):
     assert set(params.keys()) == set(TrainingSpec.__dataclass_fields__)
     assert params["workload"] == "tinylm"
     schema = params.get_param("nodes").schema
-    assert schema["minimum"] == 1 and schema["type"] == ["integer", "string"]
+    assert schema["minimum"] == 1 and schema["type"] == ["string", "integer"] and schema["section"] == "Gang"
     params.get_param("nodes").resolve("2:4")  # an elastic range passes the form
+    params.get_param("nodes").resolve(3)  # REST may send a number
+
+
+def test_the_trigger_forms_defaults_are_a_valid_run(dagbag):
+    """The form's defaults pass Airflow's own validation as they are (nothing required is
+    left empty), and optional strings may be null or absent."""
+    from trainflow.spec import OPTIONAL_STRINGS, TrainingSpec
+
+    params = dagbag.dags["train_digits"].params
+    values = params.validate()
+    for name in OPTIONAL_STRINGS:
+        assert values[name] is None and params.get_param(name).schema["type"] == ["null", "string"]
+        params.get_param(name).resolve(None)
+    spec = TrainingSpec.from_mapping(values)
+    assert spec.nodes == 2 and spec.store_uri == "" and spec.chip_model == ""
 
 
 def test_trigger_form_rejects_bad_values(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
     params = dagbag.dags["train_digits"].params
-    for key, bad in [("nodes", 0), ("nodes", "2-4"), ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
+    for key, bad in [("nodes", 0), ("nodes", "0"), ("nodes", "0:2"), ("nodes", "2-4"), ("nodes", "2\n3"),
+                     ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
         p = params.get_param(key)
         with pytest.raises(ParamValidationError):
             p.resolve(bad)

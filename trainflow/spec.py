@@ -26,7 +26,8 @@ LAUNCHERS = ("local", "kubernetes")
 IMAGE_PATTERN = r"^([a-z0-9]+([._/:@-][A-Za-z0-9_]+)*)?$"
 BATCH_POLICIES = ("keep_global", "keep_per_rank")
 MAX_NODES = 64
-NODES_PATTERN = r"^[0-9]{1,2}(:[0-9]{1,2})?$"
+# A count (1-64) or 'min:max'; refuses 0 and leading zeros (the trigger form checks it too).
+NODES_PATTERN = r"^[1-9][0-9]?(:[1-9][0-9]?)?$"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 # Built-in names, or 'package.module:function' (so the trigger form refuses anything else).
 WORKLOAD_PATTERN = (r"^(" + "|".join(BUILTIN_WORKLOADS)
@@ -42,6 +43,22 @@ _TRAINING_FIELDS = ("workload", "chip", "strategy", "steps", "batch_size", "lr",
 
 def _meta(title: str, description: str, **schema: Any) -> dict[str, Any]:
     return {"title": title, "description": description, "schema": schema}
+
+
+# The trigger form's groups (Airflow ``Param(section=...)``); a field named in none stays at
+# the top of the form.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Gang": ("nodes", "nproc_per_node", "spares", "shrink_grace", "batch_policy"),
+    "Chip": ("chip", "chip_model", "launcher", "image"),
+    "Optimisation": ("steps", "batch_size", "lr", "seed", "precision", "strategy", "record_samples"),
+    "Checkpoints": ("checkpoint_interval", "checkpoint_mode", "keep_last", "store_uri"),
+    "Health": ("heartbeat_interval", "heartbeat_timeout", "startup_timeout", "straggler_margin",
+               "exclude_stragglers", "crash_loop_limit", "retries", "memory_limit_mb", "open_files_limit"),
+    "Scheduling": ("tenant", "priority", "runtime_estimate", "preemptible", "admission_timeout"),
+    "Rehearsal faults": ("faults",),
+}
+# String fields whose empty value means "not set": optional in the form (null or absent).
+OPTIONAL_STRINGS = ("chip_model", "image", "store_uri")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +244,9 @@ class TrainingSpec:
             raise SpecError(name, data[unknown[0]],
                             f"unknown field; known fields: {', '.join(sorted(known))}")
         values = dict(data)
+        for name in OPTIONAL_STRINGS:  # the trigger form sends null for an empty optional field
+            if name in values and values[name] is None:
+                values[name] = ""
         for f in fields(cls):  # JSON has one number type: accept 3.0 for 3, 3 for 3.0
             v = values.get(f.name)
             if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
@@ -387,6 +407,7 @@ def param_schema(defaults: Mapping[str, Any] | None = None,
         ``{field: {"default": ..., "type": ..., "title": ..., "description": ..., ...}}``.
     """
     base = TrainingSpec.from_mapping(dict(defaults or {}))
+    section_of = {name: section for section, names in SECTIONS.items() for name in names}
     out: dict[str, dict[str, Any]] = {}
     for f in fields(TrainingSpec):
         meta = f.metadata
@@ -398,6 +419,16 @@ def param_schema(defaults: Mapping[str, Any] | None = None,
             "description": meta["description"],
             **meta["schema"],
         }
+        if f.name in section_of:
+            out[f.name]["section"] = section_of[f.name]
+        if f.name in OPTIONAL_STRINGS and default == "":
+            # Airflow's form takes an empty string default for a missing required value
+            # (Trigger stays disabled): optional strings are nullable, unset by default.
+            out[f.name].update(type=["null", "string"], default=None)
+    # One line in the form, not a JSON box (a multi-type field without examples is shown as
+    # one): the form types a string ("2", "2:4"); REST may send a number.
+    out["nodes"].update(type=["string", "integer"], examples=["1", "2", "4", "2:4"],
+                        default=str(out["nodes"]["default"]))
     if (tenants := check_tenants(tenants)) is not None:
         out["tenant"]["enum"] = list(tenants)
         if out["tenant"]["default"] not in tenants:

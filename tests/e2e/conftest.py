@@ -1,17 +1,30 @@
-"""A real embedded stack (api-server, scheduler, dag-processor, triggerer) per test module."""
+"""The Airflow stacks of the end-to-end tier.
+
+One embedded stack (api-server, scheduler, dag-processor, triggerer; SQLite + LocalExecutor,
+a pool of 4 nodes, checkpoints publishable to the session's S3 server) is shared by every
+test file that asks for ``stack``/``client``: runs stay apart by run id and tenant, and each
+file leaves no run active behind it. Files whose tests need other settings or restart the
+whole stack (elastic gangs' pool of 3, the distributed stack, the soak) own theirs.
+"""
 
 from __future__ import annotations
+
+import argparse
+import os
 
 import pytest
 
 from trainflow.launch.local import free_port
 from trainflow.stack import EmbeddedStack
 
+ACTIVE_RUN_STATES = ("queued", "running")
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("stack")
-    s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port())
+    s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
+                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
     try:
         s.up(timeout=240)
         yield s
@@ -21,7 +34,21 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return stack.client()
+    """A REST client of the shared stack; at the end of the file, every run the file left
+    active is cancelled (as ``trainflow cancel`` does) so the next file finds the pool free."""
+    client = stack.client()
+    yield client
+    cancel_active_runs(client)
+
+
+def cancel_active_runs(client, timeout: float = 180) -> None:
+    from trainflow.cli_runs import cmd_cancel
+
+    runs = client.call("GET", "/api/v2/dags/~/dagRuns?limit=100&state=queued&state=running")["dag_runs"]
+    for run in runs:
+        cmd_cancel(client, argparse.Namespace(dag=run["dag_id"], run_id=run["dag_run_id"]))
+    for run in runs:
+        client.wait_run(run["dag_id"], run["dag_run_id"], timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +67,21 @@ def _run_to_end(client, dag_id: str, conf: dict, run_id: str, timeout: float) ->
     states = {(t["task_id"], t["map_index"]): t["state"] for t in client.task_instances(dag_id, run_id)}
     assert run["state"] == "success", states
     return run
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Chromium (``trainflow.testing.browser``); the test skips, saying why, where
+    Debian's chromium and chromium-driver are missing (scripts/test installs them)."""
+    from trainflow.testing import browser as tools
+
+    if not tools.available():
+        message = "needs Debian's chromium and chromium-driver (scripts/test installs them)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI runs every tier", pytrace=False)
+        pytest.skip(message)
+    driver = tools.chrome(tmp_path_factory.mktemp("chromium"))
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -1,5 +1,5 @@
-"""End to end with the S3 tier: the embedded stack with its checkpoints published to a real
-S3 server (SeaweedFS on loopback), credentials only in an Airflow Connection. Then the
+"""End to end with the S3 tier: the shared embedded stack with its checkpoints published to a
+real S3 server (SeaweedFS on loopback), credentials only in an Airflow Connection. Then the
 workspace loses its checkpoints (as a lost host would) and evaluate, cleared, reads the
 checkpoint back from S3."""
 
@@ -12,27 +12,12 @@ from pathlib import Path
 import pytest
 
 from trainflow.checkpoint.s3 import S3Store
-from trainflow.launch.local import free_port
-from trainflow.stack import EmbeddedStack
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
 
 
-@pytest.fixture(scope="module")
-def s3_stack(tmp_path_factory, s3_server):
-    root = tmp_path_factory.mktemp("s3stack")
-    s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
-    try:
-        s.up(timeout=240)
-        yield s
-    finally:
-        s.stop()
-
-
-def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, run_to_end):
-    client = s3_stack.client()
+def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(stack, client, s3_server, run_to_end):
     conf = {"steps": 300, "checkpoint_interval": 100, "keep_last": 2, "tenant": "s3e2e",
             "store_uri": f"s3://{s3_server.bucket}/e2e"}
     run_id = "s3-digits-1"
@@ -67,14 +52,14 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(s3_stack, s3_server, 
     assert secret not in json.dumps(pointer)
     # Nor anywhere on disk: every task log (node tasks too), the run's workspace (plan,
     # heartbeats, report, metrics, timeline) and trainflow's state database.
-    leaked = [p for top in (s3_stack.home / "logs", s3_stack.trainflow_home) for p in top.rglob("*")
+    leaked = [p for top in (stack.home / "logs", stack.trainflow_home) for p in top.rglob("*")
               if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == []
     # Nor in the training page's API answers (the run list and the run in full).
     import urllib.request
 
     for path in ("/trainflow/api/runs", f"/trainflow/api/runs/s3e2e/{DAG}/{run_id}"):
-        req = urllib.request.Request(s3_stack.url + path, headers={"Authorization": f"Bearer {client.token()}"})
+        req = urllib.request.Request(stack.url + path, headers={"Authorization": f"Bearer {client.token()}"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             body = resp.read().decode()
         assert run_id in body and secret not in body, path

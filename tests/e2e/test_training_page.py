@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+
+from trainflow.testing import browser as browser_tools
+from trainflow.testing.browser import console_errors, screenshot, text
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
@@ -73,64 +73,14 @@ def test_the_page_and_its_place_in_the_ui(stack, client, finished):
 
 # --- The page in a real browser: Debian's headless Chromium driven by Selenium ---------------
 LIVE = "e2e-page-live"
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-# Where the screenshots go: a test artifact CI keeps (the path is printed too).
-ARTIFACTS = Path(os.environ.get("TRAINFLOW_TEST_ARTIFACTS", "test-artifacts"))
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/test installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not try to download
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    # Closed network here: without the background-networking flags Chromium keeps trying
-    # Google's hosts. --no-sandbox: the tests run as root.
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1400,2200",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def console_errors(driver, allowed: tuple[str, ...] = ()) -> list[dict]:
-    """The browser console's SEVERE entries since the last call (reading empties the log)."""
-    return [e for e in driver.get_log("browser")
-            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)]
-
-
-def text(driver, selector: str) -> str:
-    """The element's visible text, read in one script call (no element handle to go stale)."""
-    return driver.execute_script(f"return document.querySelector({json.dumps(selector)})?.innerText || ''")
+SHOT = "training-page-timeout.png"
 
 
 def wait_for(driver, predicate, timeout: float, what: str):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    try:  # the page re-renders every few seconds: a found element may go stale, look again
-        return WebDriverWait(driver, timeout, poll_frequency=0.25,
-                             ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: predicate(d))
-    except Exception as exc:  # selenium's TimeoutException: say what did not appear
-        shot = ARTIFACTS / "training-page-timeout.png"
-        shot.parent.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(shot))
-        raise AssertionError(f"{what} not shown within {timeout} s (screenshot {shot})\n"
-                             f"{driver.find_element('tag name', 'body').text[:3000]}") from exc
+    return browser_tools.wait_for(driver, predicate, timeout, what, SHOT)
 
 
+@pytest.mark.browser
 def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finished, browser):
     from selenium.webdriver.common.by import By
 
@@ -171,8 +121,7 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
              "the live run's two healthy, training ranks")
     first = min(live_steps(browser) or [0])
     wait_for(browser, lambda d: min(live_steps(d) or [0]) > first, 60, "the live run's steps advancing without a reload")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(ARTIFACTS / "training-page-live.png"))
+    screenshot(browser, "training-page-live.png")
     links = browser.execute_script("return [...document.querySelectorAll('#tasks a')].map(a => a.href)")
     assert f"{stack.url}/dags/{DAG}/runs/{LIVE}/tasks/shard_train/mapped/1" in links
     assert console_errors(browser) == []
@@ -191,7 +140,7 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
     detail = text(browser, "#detail")
     assert "released (embedded)" in text(browser, f'tr.run[data-key="e2e/{DAG}/{RUN}"]')
     assert "verified" in detail and "accuracy" in detail and "No faults." in detail
-    browser.save_screenshot(str(ARTIFACTS / "training-page-finished.png"))
+    screenshot(browser, "training-page-finished.png")
     assert console_errors(browser) == []
 
     # Done watching: cancel the live run the way the CLI does (its tasks failed, no retry).

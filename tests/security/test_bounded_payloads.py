@@ -64,6 +64,7 @@ def test_the_report_of_a_hostile_run_is_bounded(tmp_path):
     assert len(json.dumps(report)) < 2_000_000  # ~ 64 GB of messages in, a bounded report out
 
 
+@pytest.mark.integration  # real worker processes
 def test_a_workload_raising_a_huge_message_is_recorded_clipped(tmp_path, monkeypatch):
     """Real ranks: the workload's 1 MB exception message is clipped in the error record, the
     run's abort record and the timeline; the run still fails as a user error naming it."""
@@ -85,6 +86,7 @@ def test_a_workload_raising_a_huge_message_is_recorded_clipped(tmp_path, monkeyp
     assert events and all("more characters]" in e["message"] for e in events)  # every failing rank's
 
 
+@pytest.mark.integration  # real worker processes
 def test_an_evaluate_with_unbounded_metrics_fails_as_the_workloads_error(tmp_path, monkeypatch):
     from trainflow.launch.local import run_local
     from trainflow.spec import TrainingSpec

@@ -45,6 +45,7 @@ def test_limits_below_what_a_worker_needs_are_refused_naming_the_field():
         TrainingSpec(faults=[{"kind": "allocate", "rank": 0, "step": 5}])
 
 
+@pytest.mark.integration  # real worker processes
 def test_a_runaway_allocation_stops_at_the_limit_in_a_real_process():
     code = """
 import sys
@@ -63,6 +64,7 @@ except MemoryError:
     assert 0 < int(out.stdout) <= 768  # MiB it got before MemoryError
 
 
+@pytest.mark.integration  # real worker processes
 def test_an_allocating_workload_aborts_the_run_as_a_user_error(tmp_path):
     from trainflow.launch.local import run_local
 

@@ -13,6 +13,8 @@ import torch
 from trainflow.checkpoint import dcp, manifest
 from trainflow.errors import CheckpointError
 
+pytestmark = pytest.mark.integration  # real processes / a gloo world
+
 
 class Boom:
     """Pickles as a call of ``os.system`` (what a crafted checkpoint would carry)."""

@@ -93,6 +93,7 @@ def _as_user(uid: int, what: str, path: Path) -> str:
     return out
 
 
+@pytest.mark.integration  # real worker processes
 @needs_root
 def test_each_tenants_workers_run_as_its_user_and_cannot_open_the_others_run(root, monkeypatch):
     solo = root / "solo"  # an unmapped tenant: as before, the worker's own user

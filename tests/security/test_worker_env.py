@@ -9,6 +9,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from trainflow.launch.envtrim import allowed, trimmed
 
 SECRETS = {
@@ -44,6 +46,7 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
+@pytest.mark.integration  # real worker processes
 def test_real_workers_see_no_secret_of_the_task_and_run_in_their_own_session(tmp_path, monkeypatch):
     """A real 2-node gang launched from a process whose environment holds secrets: each
     worker's environment as the kernel shows it (``/proc/<pid>/environ``) has none of them."""

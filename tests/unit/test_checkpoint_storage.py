@@ -33,6 +33,7 @@ def _tensors(d: dict, path: tuple = ()) -> dict:
     return out
 
 
+@pytest.mark.integration  # real worker processes
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_share_gives_every_replicated_tensor_to_exactly_one_rank(world):
     model = _model()

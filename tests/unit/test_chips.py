@@ -328,6 +328,7 @@ def test_torch_probe_last(probe, family, empty):
     assert d.family == (family or "cpu") and d.source == ("torch" if family else "none")
 
 
+@pytest.mark.integration  # real worker processes
 def test_the_real_torch_probe_runs_in_a_subprocess_and_sees_no_accelerator_here():
     from trainflow.chips.detect import probe_torch
 

@@ -87,6 +87,7 @@ def test_doctor_bad_input_exits_2(tmp_path):
     assert done.returncode == 2 and "unknown chip family 'tpu'; known families:" in done.stderr
 
 
+@pytest.mark.integration  # real worker processes
 def test_doctor_on_this_cpu_host(tmp_path):
     done = _doctor(tmp_path)
     assert done.returncode == 0
@@ -188,6 +189,7 @@ def test_gpu_check_skips_with_the_reason_where_there_is_no_gpu(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.integration  # real worker processes
 def test_worker_registers_the_host_in_its_pool_with_labels_then_runs_celery(tmp_path):
     """`trainflow worker` (what the images and compose run): the doctor's registration
     with a pool and labels, then the Celery worker command for the queues."""

@@ -46,6 +46,7 @@ def _run_node(tmp_path, node: int = 1):
     return op._run_pod({"ti": ti, "run_id": "r1", "dag": object(), "task": op}, plan, node, 2), pushed
 
 
+@pytest.mark.integration  # real worker processes
 def test_a_node_runs_as_a_pod_to_its_end(tmp_path, cluster):
     from trainflow.cluster.hosts import HostRegistry
 
@@ -67,6 +68,7 @@ def test_a_node_runs_as_a_pod_to_its_end(tmp_path, cluster):
     assert [verb for verb, *_ in api.calls].count("DELETE") == 1 and not api.pods  # succeeded: deleted
 
 
+@pytest.mark.integration  # real worker processes
 def test_a_failed_pod_fails_the_node_task_and_is_kept(tmp_path, cluster):
     from airflow.sdk.exceptions import AirflowException
 

@@ -1,5 +1,5 @@
-"""How bench/soak judges that a series stayed bounded (the 10-minute soak in the e2e suite
-asserts these verdicts)."""
+"""How bench/soak judges a soak: whether a series stayed bounded, how the smoke run scales
+its faults, and what a smoke result is judged by."""
 
 from __future__ import annotations
 
@@ -56,3 +56,30 @@ def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means(soak_ben
     # More rotated parts than kept: rotation is not pruning.
     assert soak.logs_bounded(_series([1.0] * 40, log_parts=3, task_logs_past_cutoff_s=0.0),
                              log_keep=1)["bounded"] is False
+
+
+def test_the_smoke_moves_each_fault_to_the_same_fraction_of_a_shorter_run(soak_bench):
+    rotation = [soak_bench.scaled(f, soak_bench.SMOKE_STEPS) for f in soak_bench.FAULTS]
+    kinds = [f[0]["kind"] if f else None for f in rotation]
+    assert kinds == [f[0]["kind"] if f else None for f in soak_bench.FAULTS]
+    for faults in rotation:
+        for fault in faults:
+            assert 0 < fault["step"] < soak_bench.SMOKE_STEPS
+            if fault["kind"] == "corrupt_checkpoint":
+                assert fault["step"] % soak_bench.CONF["checkpoint_interval"] == 0
+    # every scaled schedule is one the spec accepts for the smoke's runs
+    from trainflow.spec import TrainingSpec
+
+    for faults in rotation:
+        TrainingSpec.from_mapping({**soak_bench.CONF, "steps": soak_bench.SMOKE_STEPS, "faults": faults})
+
+
+def test_a_smoke_result_is_judged_by_its_runs_and_retentions_invariants(soak_bench):
+    runs = {"failed": [], "weights_equal_clean": 7, "succeeded": 7}
+    leaky = {"bounded": False}
+    result = {"smoke": True, "runs": runs,
+              "bounds": {"history_rows_max": 1, "rss_mb:scheduler": leaky, "logs_mb": {"bounded": True}}}
+    assert soak_bench.healthy(result)  # quarter means of a 2-minute run say nothing
+    assert not soak_bench.healthy({**result, "smoke": False})
+    assert not soak_bench.healthy({**result, "bounds": {**result["bounds"], "logs_mb": {"bounded": False}}})
+    assert not soak_bench.healthy({**result, "runs": {**runs, "weights_equal_clean": 6}})

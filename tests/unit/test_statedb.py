@@ -115,6 +115,7 @@ def _open_when_released(path, barrier, out):
         out.put(f"{type(exc).__name__}: {exc}")
 
 
+@pytest.mark.integration  # real worker processes
 def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
     """Switching a new SQLite database to WAL answers "database is locked" at once (no busy
     timeout) to whoever opens it at the same moment — a gang's agents opening the run's

@@ -17,6 +17,8 @@ import pytest
 
 from trainflow.launch import zygote
 
+pytestmark = pytest.mark.integration  # real processes / a gloo world
+
 PROBE = textwrap.dedent('''
     import os, sys, time
     what = sys.argv[1]
