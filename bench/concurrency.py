@@ -96,7 +96,7 @@ def main() -> int:
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {meta}")
     stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          dags_folder=work / "dags", node_slots=4, parallelism=12,
+                          dags_folder=work / "dags", node_slots=4, parallelism=12, allow_faults=True,
                           database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}")
     stack.up(timeout=300)
     result: dict = {"bench": "concurrency", "tenants": TENANTS, "quotas": QUOTAS, "conf": CONF, "pool_nodes": 4}

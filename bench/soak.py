@@ -270,7 +270,7 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
     admin.cursor().execute(f"CREATE DATABASE {meta}")
     meta_url = f"postgresql://postgres@127.0.0.1:5432/{meta}"
     stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          node_slots=4, parallelism=12,
+                          node_slots=4, parallelism=12, allow_faults=True,
                           database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}")
     stack.up(timeout=300)
     result: dict = {"bench": "soak", "smoke": smoke, "minutes": minutes, "conf": conf, "tenants": TENANTS,

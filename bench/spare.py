@@ -46,7 +46,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spare.json")
     args = parser.parse_args()
     retry, spare = [], []
-    with embedded_stack("tf-spare-bench-", node_slots=3) as stack:
+    with embedded_stack("tf-spare-bench-", node_slots=3, allow_faults=True) as stack:
         client = stack.client()
         client.wait_for_dag(DAG, timeout=180)
         client.unpause(DAG)

@@ -34,7 +34,8 @@ NODE_RETRY_POLICY = ExceptionRetryPolicy(rules=[
 def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
                  schedule: Any = None, description: str | None = None,
                  tags: list[str] | None = None, max_active_runs: int = 4,
-                 node_pool: str = "embedded", tenants: Sequence[str] | None = None) -> DAG:
+                 node_pool: str = "embedded", tenants: Sequence[str] | None = None,
+                 allow_faults: bool = False) -> DAG:
     """Build a training DAG whose trigger form and REST conf are validated by the spec.
 
     Args:
@@ -47,6 +48,9 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
             DAG, one DAG per tenant (or group of tenants) makes DAG access tenant access: the
             trigger form offers only these, Airflow refuses any other in a conf, and
             provision checks again.
+        allow_faults: runs of this DAG may carry a fault schedule (a rehearsal DAG). Off,
+            a conf with faults fails provision, naming this switch and the deployment's
+            ``TRAINFLOW_ALLOW_FAULTS``, before anything is allocated.
     """
     from operators.checkpoint_sync import CheckpointSyncOperator
     from operators.evaluate import EvaluateOperator
@@ -72,7 +76,7 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
     ) as dag:
         provision = ProvisionOperator(task_id="provision", retries=2,
                                       retry_delay=timedelta(seconds=5), node_pool=node_pool,
-                                      tenants=tenants)
+                                      tenants=tenants, allow_faults=allow_faults)
         shards = ShardTrainOperator.partial(
             task_id="shard_train", queue=spec.queue, retries=10,
             retry_delay=timedelta(seconds=2), retry_policy=NODE_RETRY_POLICY,

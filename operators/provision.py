@@ -28,14 +28,17 @@ class ProvisionOperator(BaseOperator):
     :param node_pool: trainflow allocator pool to admit the gang from (not an Airflow pool).
     :param lease_ttl: seconds a lease lives before it expires (backstop for crashed runs).
     :param tenants: the tenants the DAG runs for (None: any); another is refused, naming them.
+    :param allow_faults: the DAG accepts a fault schedule in its conf (a rehearsal DAG);
+        otherwise only a deployment with ``TRAINFLOW_ALLOW_FAULTS=1`` does.
     """
 
     def __init__(self, *, node_pool: str = "embedded", lease_ttl: float = 24 * 3600,
-                 tenants: Sequence[str] | None = None, **kwargs: Any) -> None:
+                 tenants: Sequence[str] | None = None, allow_faults: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.node_pool = node_pool
         self.lease_ttl = lease_ttl
         self.tenants = list(tenants) if tenants is not None else None
+        self.allow_faults = allow_faults
 
     def execute(self, context) -> list[dict[str, Any]]:
         from datetime import timedelta
@@ -71,6 +74,7 @@ class ProvisionOperator(BaseOperator):
     def _validate(self, context):
         from trainflow.cluster.hosts import HostRegistry
         from trainflow.errors import SpecError
+        from trainflow.faults import check_allowed
         from trainflow.plan import check_devices
         from trainflow.spec import TrainingSpec, check_tenant
         from trainflow.workspace import Workspace, default_root
@@ -78,6 +82,7 @@ class ProvisionOperator(BaseOperator):
         try:
             spec = TrainingSpec.from_mapping(dict(context["params"]))
             check_tenant(spec.tenant, self.tenants)
+            check_allowed(spec.faults, dag_allows=self.allow_faults)
             ws = Workspace(default_root(), spec.tenant, self.dag_id, context["run_id"])
             check_devices(spec, HostRegistry().inventory(spec.queue))
         except SpecError as exc:

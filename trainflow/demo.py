@@ -47,7 +47,8 @@ def describe(event: dict) -> str | None:
 
 
 def _stack(port: int) -> EmbeddedStack:
-    return EmbeddedStack.from_env(port=port)  # TRAINFLOW_PROFILE=embedded|distributed
+    # The demo rehearses a fault (a killed rank), so its stack allows fault schedules.
+    return EmbeddedStack.from_env(port=port, allow_faults=True)  # TRAINFLOW_PROFILE=embedded|distributed
 
 
 def progress_line(beats: dict[int, dict], world: int) -> str:

@@ -40,6 +40,28 @@ FILL_LEAVE_BYTES = 4096
 # fill_disk refuses a filesystem with more free space than this (it is a rehearsal, not
 # a way to exhaust a production volume): TRAINFLOW_FAULT_FILL_MAX_BYTES, default 4 GiB.
 FILL_MAX_BYTES = 4 << 30
+# The deployment setting that allows fault schedules in every training DAG of the
+# deployment (a rehearsal environment); otherwise a DAG opts in with
+# ``training_dag(..., allow_faults=True)``.
+ALLOW_FAULTS_ENV = "TRAINFLOW_ALLOW_FAULTS"
+
+
+def check_allowed(faults: tuple, *, dag_allows: bool, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a fault schedule that neither the DAG nor the deployment allows.
+
+    Injecting faults is a privileged rehearsal, not a lever every user who may trigger a
+    training DAG holds over shared capacity.
+
+    Raises:
+        SpecError: ``faults`` is not empty and neither allows it (naming both switches).
+    """
+    env = os.environ if env is None else env
+    if not faults or dag_allows or env.get(ALLOW_FAULTS_ENV, "").lower() in ("1", "true", "yes"):
+        return
+    raise SpecError("faults", [f.to_dict() if isinstance(f, Fault) else f for f in faults],
+                    "fault injection is a rehearsal this DAG does not allow: build it with "
+                    f"training_dag(..., allow_faults=True), or set {ALLOW_FAULTS_ENV}=1 in the "
+                    "deployment's environment; or leave faults empty")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,10 +235,13 @@ class FaultInjector:
 
                 self.heartbeat.mute(until=time.time() + fault.seconds)
             elif fault.kind in (FaultKind.KILL_NODE, FaultKind.LOSE_NODE):
+                from trainflow.cluster.nodes import mark_injected
+
+                node = int(os.environ.get("TRAINFLOW_NODE", "-1"))
+                mark_injected(self.run_dir, node, fault.kind.value)  # not charged to the host
                 if fault.kind == FaultKind.LOSE_NODE:
                     from trainflow.cluster.slots import mark_lost
 
-                    node = int(os.environ.get("TRAINFLOW_NODE", "-1"))
                     mark_lost(self.run_dir, node, seconds=fault.seconds,
                               reason=f"lose_node fault at step {step} (rank {self.rank})")
                 # The node task's process under Airflow, else the agent; the rest of the

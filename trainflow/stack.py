@@ -53,6 +53,8 @@ class EmbeddedStack:
         task_heartbeat_timeout: seconds without a task heartbeat after which the scheduler
             fails the task instance (``[scheduler] task_instance_heartbeat_timeout``; 0 keeps
             Airflow's 300 s). A worker host that dies with its tasks is noticed this way.
+        allow_faults: a rehearsal deployment: every training DAG accepts fault schedules
+            (``TRAINFLOW_ALLOW_FAULTS=1``); off, only DAGs built with ``allow_faults=True``.
     """
 
     home: Path = field(default_factory=lambda: REPO / ".airflow")
@@ -68,6 +70,7 @@ class EmbeddedStack:
     state_db: str = ""
     workers: tuple = ()
     task_heartbeat_timeout: int = 0
+    allow_faults: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **kw) -> "EmbeddedStack":
@@ -195,6 +198,8 @@ class EmbeddedStack:
             })
         if self.state_db:
             env["TRAINFLOW_STATE_DB"] = self.state_db
+        if self.allow_faults:
+            env["TRAINFLOW_ALLOW_FAULTS"] = "1"
         if self.task_heartbeat_timeout:
             env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(self.task_heartbeat_timeout)
             env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL"] = \

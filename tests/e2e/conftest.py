@@ -24,7 +24,7 @@ ACTIVE_RUN_STATES = ("queued", "running")
 def stack(tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("stack")
     s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                      extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
+                      allow_faults=True, extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
     try:
         s.up(timeout=240)
         yield s

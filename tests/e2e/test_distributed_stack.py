@@ -129,7 +129,7 @@ def dist_stack(tmp_path_factory, s3_server):
         state_db=f"postgresql://postgres@127.0.0.1:5432/{state}",
         workers=tuple({"name": h, "queues": "cpu", "concurrency": 1, "wrap": net.wrap(h), "env": net.env(h)}
                       for h in HOSTS) + ({"name": "control", "queues": "default", "concurrency": 4},),
-        task_heartbeat_timeout=20,
+        task_heartbeat_timeout=20, allow_faults=True,
         extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
     stack.broker, stack.net = broker, net
     try:

@@ -32,7 +32,7 @@ ACCURACY_TOLERANCE = 0.02
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic-stack")
     stack = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                          node_slots=3)
+                          node_slots=3, allow_faults=True)
     try:
         stack.up(timeout=240)
         yield stack.client()

@@ -123,6 +123,23 @@ def test_node_try_charges_a_silently_dead_predecessor_to_its_host(tmp_path, regi
     assert registry.cordoned("a") is not None
 
 
+def test_a_try_killed_by_an_injected_fault_is_not_charged_to_its_host(tmp_path, registry, monkeypatch):
+    """A rehearsal's kill_node/lose_node must not cordon a shared host: the next try sees
+    the injected mark and charges nothing, while an uninjected silent death still counts."""
+    from trainflow.cluster.nodes import NodeTry, mark_injected, try_lost
+
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    plan = _node_plan(tmp_path)
+    policy = CordonPolicy(failures=1, window_s=60)  # one charged failure would cordon
+    NodeTry(plan, 0, 1, host="a", registry=registry, policy=policy).begin()
+    mark_injected(plan["run_dir"], 0, "kill_node")  # then SIGKILLed by the fault
+    assert try_lost(plan["run_dir"], 0, 1)  # placement still moves the retry off the host
+    NodeTry(plan, 0, 2, host="a", registry=registry, policy=policy).begin()
+    assert registry.cordoned("a") is None and registry.hosts(policy=policy) == []
+    NodeTry(plan, 0, 3, host="b", registry=registry, policy=policy).begin()  # try 2 died unmarked
+    assert registry.cordoned("a") is not None
+
+
 def test_node_try_takes_only_requests_made_during_it(tmp_path, registry, monkeypatch):
     import time
 

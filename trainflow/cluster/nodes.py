@@ -36,6 +36,20 @@ def try_lost(run_dir: Path, node: int, try_number: int) -> bool:
     return int(last.get("try", 0)) < try_number or "ended" not in last
 
 
+def mark_injected(run_dir: Path, node: int, kind: str) -> None:
+    """Note on node ``node``'s marker that its current try is being killed by an injected
+    fault (``kill_node``, ``lose_node``): the next try does not charge that death to the
+    host (a rehearsal must not cordon a shared host), while placement still treats the
+    try as lost."""
+    marker = Path(run_dir) / "nodes" / f"task-{node:04d}.json"
+    try:
+        last = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if "ended" not in last:
+        write_json_atomic(marker, {**last, "injected": kind})
+
+
 class NodeTry:
     """Try ``try_number`` of node ``node`` of the run planned in ``plan``."""
 
@@ -58,8 +72,12 @@ class NodeTry:
             PreflightError: the node must not join (recorded against this host).
         """
         if self.marker.exists() and "ended" not in (last := json.loads(self.marker.read_text())):
-            self.hosts.record_failure(last["host"], reason=f"node {self.node} task of try {last['try']} died",
-                                      run_key=self.run_key, node=self.node, policy=self.policy)
+            if last.get("injected"):
+                log.info("node %d's try %s was killed by an injected %s fault: not charged to host %s",
+                         self.node, last["try"], last["injected"], last["host"])
+            else:
+                self.hosts.record_failure(last["host"], reason=f"node {self.node} task of try {last['try']} died",
+                                          run_key=self.run_key, node=self.node, policy=self.policy)
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "pid": os.getpid()})
         self.started = time.time()

@@ -2,8 +2,9 @@
 
 ``weed mini`` serves S3 with data on disk, checks SigV4 credentials and rejects objects
 whose SHA-256 does not match (unlike moto's server, which accepts any key and checksum).
-It also opens a few fixed ports of its own (admin 23646, 8181, 9101), so run one per
-process tree at a time.
+Every port it listens on is chosen free here (its Iceberg and Lance listeners, fixed at
+8181 and 9101 by default, are off), so several servers can run at once (one per pytest-xdist
+worker).
 """
 
 from __future__ import annotations
@@ -60,13 +61,18 @@ class SeaweedS3:
             "name": "trainflow", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         config.chmod(0o600)
-        ports = {name: _free_port() for name in ("master", "volume", "filer", "webdav")}
+        ports = {name: _free_port() for name in ("master", "volume", "filer", "webdav", "master.grpc",
+                                                  "volume.grpc", "filer.grpc", "s3.grpc", "admin", "admin.grpc")}
         self.log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(
             [weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              "-master.telemetry=false", "-admin.ui=false", f"-master.port={ports['master']}",
              f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
-             f"-webdav.port={ports['webdav']}", f"-s3.port={self.port}", f"-s3.config={config}"],
+             f"-webdav.port={ports['webdav']}", f"-master.port.grpc={ports['master.grpc']}",
+             f"-volume.port.grpc={ports['volume.grpc']}", f"-filer.port.grpc={ports['filer.grpc']}",
+             f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin.grpc']}",
+             f"-s3.port.grpc={ports['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             f"-s3.port={self.port}", f"-s3.config={config}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
         from trainflow.checkpoint.s3 import client
