@@ -125,8 +125,8 @@ def abort_message(abort: dict) -> str:
     what = "failed in user code" if abort.get("kind") == "user" else "stopped the run"
     from trainflow.remediation import abort_source
 
-    return (f"{abort_source(abort)} {what}, not retried: {abort.get('message')}\n"
-            f"{abort.get('traceback', '')}")
+    return (f"{abort_source(abort)} {what}, not retried: {abort.get('message')} (to train the run "
+            f"again, clear the whole run: provision sets this record aside)\n{abort.get('traceback', '')}")
 
 
 def python() -> str:

@@ -122,17 +122,22 @@ class ProvisionOperator(BaseOperator):
             raise translate(exc) from exc
 
     def _plan(self, context, spec, ws, run_key: str, lease) -> list[dict[str, Any]]:
+        import time
+
         from trainflow.checkpoint.manifest import newest_verified
         from trainflow.cluster.allocator import Allocator
         from trainflow.cluster.slots import SlotLeases
         from trainflow.launch.local import prepare
+        from trainflow.remediation import plan_epoch, provisioned
 
         dag_id, run_id = self.dag_id, context["run_id"]
         slots = spec.max_nodes + spec.spares
         self.log.info("admitted %d of %d nodes of pool %r until %.0f%s", lease.nodes, slots, lease.pool,
                       lease.expires, f" on hosts {', '.join(lease.hosts)}" if lease.hosts else "")
         ws.create()
+        previous = plan_epoch(ws.dir)  # > 0: the run was cleared and is provisioned again
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
+        epoch = provisioned(ws.dir, plan_path, previous, now=time.time())
         SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator(),
                           request=self._request_kwargs(spec, run_key))
         resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
@@ -146,9 +151,10 @@ class ProvisionOperator(BaseOperator):
         # each node task's try there, executors/placement.py)
         ti.xcom_push(key="admission", value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes,
                                              "hosts": list(lease.hosts)})
-        self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s",
+        self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s%s",
                       ws.dir, spec.nodes, spec.spares, spec.nproc_per_node, plan["queue"],
-                      f"step {resume.step}" if resume else "scratch")
+                      f"step {resume.step}" if resume else "scratch",
+                      f" (provisioned again: epoch {epoch})" if epoch > 1 else "")
         return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(slots)]
 
 

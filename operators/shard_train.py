@@ -50,13 +50,14 @@ class ShardTrainOperator(BaseOperator):
         node, spec = int(self.node), plan["spec"]
         store = context.get("task_state_store")
         try_number = context["ti"].try_number
-        if try_number > spec["retries"] + 1:
+        tries = try_number - self._try_base(store, plan, try_number)
+        if tries > spec["retries"] + 1:
             import time
 
             from trainflow.remediation import abort
 
             message = (f"node {node}: retry budget of the run spent (retries={spec['retries']}, this is "
-                       f"try {try_number})")
+                       f"try {tries}" + (f", Airflow's {try_number}" if tries != try_number else "") + ")")
             # The gang cannot be whole again: stop the other nodes and the watch now, instead
             # of leaving them waiting for this node until their own timeouts.
             abort(run_dir, {"rank": None, "node": node, "kind": "retries_exhausted", "type": "RetryBudgetSpent",
@@ -100,10 +101,12 @@ class ShardTrainOperator(BaseOperator):
         watch = self._preemption_watch(run_dir, plan, node)
         overdue: list[str] = []
 
+        members = self._member_watch(context, plan, node, run_dir)
+
         def poll() -> str | None:
             if uploader is not None:
                 uploader.poll()
-            if read_abort(run_dir) is not None:
+            if read_abort(run_dir) is not None or members():
                 return "abort"
             if watch is not None and (why := watch.poll()) is not None:
                 overdue.append(why)
@@ -143,6 +146,52 @@ class ShardTrainOperator(BaseOperator):
             "loss": {str(r): b.get("loss") for r, b in sorted(mine.items())},
             "samples_per_s": sum(b.get("samples_per_s", 0.0) for b in mine.values()),
         }
+
+    @staticmethod
+    def _try_base(store, plan: dict, try_number: int) -> int:
+        """Airflow's try number before this provision of the run: a cleared run counts its
+        retry budget afresh (Airflow's try numbers go on counting across clears)."""
+        epoch = plan.get("epoch", 1)
+        if store is None:
+            return 0
+        if store.get("epoch") != epoch:
+            store.set("epoch", epoch)
+            store.set("try_base", try_number - 1)
+        return int(store.get("try_base") or 0)
+
+    def _member_watch(self, context, plan: dict, node: int, run_dir, every: float = 5.0):
+        """A check, called on every poll, that ends the run when another node of a fixed
+        gang ended for good (marked failed, tries spent): without it this node's agent
+        would wait for that member in the rendezvous until its timeout, try after try.
+        Asks Airflow for the gang's task states every ``every`` seconds."""
+        import time
+
+        from trainflow.remediation import end_for_member, ended_member
+
+        spec = plan["spec"]
+        if isinstance(spec.get("nodes"), str) or spec.get("spares"):
+            return lambda: False  # an elastic gang shrinks past a lost member; spares replace it
+        ti, next_check = context["ti"], [0.0]
+
+        def check() -> bool:
+            if time.monotonic() < next_check[0]:
+                return False
+            next_check[0] = time.monotonic() + every
+            try:
+                found = ti.get_task_states(dag_id=self.dag_id, task_ids=[self.task_id], run_ids=[context["run_id"]])
+            except Exception as exc:  # noqa: BLE001 - the API server restarting: ask again later
+                self.log.debug("gang task states unavailable: %s", exc)
+                return False
+            prefix = f"{self.task_id}_"
+            states = {int(k[len(prefix):]): v for k, v in (found.get(context["run_id"]) or {}).items()
+                      if k.startswith(prefix) and k[len(prefix):].isdigit()}
+            ended = ended_member(states, me=node)
+            if ended is None:
+                return False
+            self.log.error("%s", end_for_member(run_dir, *ended, now=time.time()))
+            return True
+
+        return check
 
     def _preemption_watch(self, run_dir, plan: dict, node: int):
         """The node's watch over preemption orders (None: the run is not preemptible)."""

@@ -42,6 +42,74 @@ def abort_source(error: dict) -> str:
     return f"rank {error['rank']}" if error.get("rank") is not None else f"node {error.get('node')}"
 
 
+def ended_member(states: dict[int, str], *, me: int) -> tuple[int, str] | None:
+    """A node of a fixed gang whose task ended for good while this node still runs.
+
+    ``states`` maps node index to its Airflow task state. ``failed`` is final (a retry
+    would be ``up_for_retry``): the node was marked failed (the UI's "Mark failed", a
+    ``trainflow cancel``) or spent its tries, and ``upstream_failed``/``removed`` never run
+    again. Such a gang can never be whole again; the caller ends the run instead of
+    leaving its other nodes to wait for that member until their rendezvous times out.
+
+    Returns:
+        ``(node, state)`` of the first such node, or None.
+    """
+    for node, state in sorted(states.items()):
+        if node != me and state in ("failed", "upstream_failed", "removed"):
+            return node, state
+    return None
+
+
+def end_for_member(run_dir: Path, node: int, state: str, *, now: float) -> str:
+    """Write the abort record for a gang member that ended for good (see ``ended_member``)
+    and return its message."""
+    message = (f"node {node}'s task is {state} with no retry to come (marked {state} by a user, "
+               f"or its tries spent): the gang cannot become whole, so the run ended")
+    if abort(run_dir, {"rank": None, "node": node, "kind": "member_ended", "type": "GangMemberEnded",
+                       "message": message, "time": now}):
+        record(run_dir, "member_ended", node=node, state=state, message=message)
+    return message
+
+
+def clear_abort(run_dir: Path, *, now: float) -> dict | None:
+    """Set the run's abort record aside (a cleared run gets another chance: its nodes start
+    again); returns the record that was set aside, if any."""
+    path = Path(run_dir) / "ABORT"
+    error = aborted(run_dir)
+    if error is None:
+        return None
+    n = len(list(Path(run_dir).glob("ABORT.cleared-*")))
+    os.replace(path, path.with_name(f"ABORT.cleared-{n}"))
+    record(run_dir, "abort_cleared", set_aside=now, kind=error.get("kind"), message=error.get("message"))
+    return error
+
+
+def provisioned(run_dir: Path, plan_path: Path, previous_epoch: int, *, now: float) -> int:
+    """Stamp the run's plan with its provision epoch (1 for a new run; one more each time
+    a cleared run is provisioned again) and, on a repeat, set the last failure's abort
+    record aside so the cleared run's nodes start again. Returns the epoch.
+
+    ``previous_epoch``: the epoch of the plan that was there before (``plan_epoch`` read
+    before the plan was rewritten; 0 for none)."""
+    epoch = previous_epoch + 1
+    plan = json.loads(Path(plan_path).read_text())
+    write_json_atomic(Path(plan_path), {**plan, "epoch": epoch})
+    if previous_epoch:
+        cleared = clear_abort(run_dir, now=now)
+        record(run_dir, "provisioned_again", epoch=epoch,
+               after=(cleared or {}).get("message", "a failure without an abort record"))
+    return epoch
+
+
+def plan_epoch(run_dir: Path) -> int:
+    """The provision epoch of the run's current plan (0: no plan yet; 1: a plan from before
+    epochs were recorded, or the first provision)."""
+    try:
+        return int(json.loads((Path(run_dir) / "plan.json").read_text()).get("epoch", 1))
+    except (OSError, ValueError):
+        return 0
+
+
 def remediations(run_dir: Path) -> int:
     """Node replacements requested so far (pending and handled)."""
     control = Path(run_dir) / "control"

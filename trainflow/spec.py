@@ -182,7 +182,8 @@ class TrainingSpec:
         "Tenant", "Owner of the run; lower-case letters, digits and '-'.",
         pattern=NAME_PATTERN, maxLength=63))
     faults: tuple = field(default=(), metadata=_meta(
-        "Fault schedule", "Faults to inject, to rehearse recovery: a list of "
+        "Fault schedule", "Faults to inject, to rehearse recovery (refused unless the DAG allows "
+        "it or the deployment sets TRAINFLOW_ALLOW_FAULTS=1): a list of "
         "{kind: kill_rank|kill_node|stop_rank|corrupt_checkpoint|raise, step, rank}. "
         "Empty for a normal run.", **FAULT_SCHEMA))
 

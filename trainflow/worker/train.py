@@ -158,9 +158,12 @@ def preempt_point(run_dir: Path, rank: int, step: int, checkpoint, say) -> bool:
 def crash_restarts(events: list[dict], step: int) -> int:
     """Gang starts from the checkpoint of ``step`` so far, not counting the restart a grow
     window or a preemption planned there (they follow no failure; the crash-loop limit is
-    about failures)."""
+    about failures), nor those before the run was cleared and provisioned again."""
     count, planned = 0, False
     for e in events:
+        if e["event"] == "provisioned_again":
+            count, planned = 0, False
+            continue
         if e.get("step") != step:
             continue
         if e["event"] in ("grow_window", "preempted"):
