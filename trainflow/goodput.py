@@ -14,13 +14,35 @@ from trainflow import timeline
 NO_RESTART = {"fill_disk", "slow_rank", "delay_heartbeats"}
 
 
+def exit_cause(e: dict) -> str:
+    """``rank 1 ended by SIGKILL`` / ``rank 1 exited with code 1``, from a ``worker_exited``."""
+    how = f"ended by {e['signal']}" if e.get("signal") else f"exited with code {e.get('exitcode')}"
+    return f"rank {e.get('rank')} {how}"
+
+
 def fault_records(events: list[dict]) -> list[dict]:
-    """Pair each fault (injected or detected) and each grow window with the next resume
-    after it; a membership change at that resume (shrink, grow, spare used) is attached."""
+    """Pair each fault and each grow window with the next resume after it; a membership
+    change at that resume (shrink, grow, spare used) is attached.
+
+    A fault is what happened, whoever caused it: an injected fault, a stall the watch
+    detected, a user error, a straggler excluded, or a worker that exited while the gang
+    trained (``worker_exited``, observed by its node agent: a signal from outside, a crash,
+    an OOM kill). Exits seen while a fault is open belong to it (the first is its cause:
+    the other ranks' exits follow from it); an exit with no open fault opens one
+    (``kind: worker_exit``, ``source: outside``)."""
     out: list[dict] = []
     for e in events:
         if "event" not in e or "time" not in e:
             continue  # not an event of ours (a foreign or damaged line)
+        if e["event"] == "worker_exited":
+            open_ = [rec for rec in out if rec["restarts"] and "resumed_time" not in rec]
+            if open_:
+                open_[-1].setdefault("cause", exit_cause(e))
+                open_[-1]["exits"] = open_[-1].get("exits", 0) + 1
+                continue
+            out.append({"kind": "worker_exit", "source": "outside", "cause": exit_cause(e), "time": e["time"],
+                        "step": e.get("step"), "rank": e.get("rank"), "restarts": True, "exits": 1})
+            continue
         if e["event"] == "membership":
             # the gang that resumed has other members: say so on the record it ended
             resumed = [rec for rec in out if rec.get("resumed_time", 0) <= e["time"] and "membership" not in rec]
@@ -38,7 +60,8 @@ def fault_records(events: list[dict]) -> list[dict]:
                 continue
             kind = ("grow" if e["event"] == "grow_window" else e["event"] if e["event"] == "straggler_excluded"
                     else e.get("kind", e["event"]))
-            out.append({"kind": kind, "time": e["time"], "step": e.get("step"),
+            out.append({"kind": kind, "source": "injected" if e["event"] == "fault_injected" else "detected",
+                        "time": e["time"], "step": e.get("step"),
                         "restarts": kind not in NO_RESTART,
                         **({"detected_time": e["time"], "detection_s": 0.0}
                            if e["event"] == "stall_detected" else {})})

@@ -88,28 +88,68 @@ def test_slow_rank_shows_as_straggler_in_its_heartbeats(tmp_path, clean_digest):
     assert evaluate(tmp_path)["weights_sha256"] == clean_digest  # slow, not wrong
 
 
-def test_chaos_command_kills_a_running_rank_and_the_run_heals(tmp_path):
-    from trainflow.cli import chaos
+LONG = {**BASE, "steps": 1500}
+
+
+@pytest.fixture(scope="module")
+def clean_long_digest(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("clean-long")
+    assert run_local(TrainingSpec(**LONG), run_dir) == [0, 0]
+    return evaluate(run_dir)["weights_sha256"]
+
+
+def _start_training(run_dir):
+    """A 2-node gang of ``LONG`` under way (past step 100); returns its agents."""
     from trainflow.heartbeat import read_all
     from trainflow.launch.local import prepare, start_agents
 
-    spec = TrainingSpec(**{**BASE, "steps": 1500})
-    assert run_local(spec, tmp_path / "clean") == [0, 0]
-    tmp_path = tmp_path / "chaos"
-    procs = start_agents(prepare(spec, tmp_path), spec.nodes, log_dir=tmp_path / "logs")
+    procs = start_agents(prepare(TrainingSpec(**LONG), run_dir), 2, log_dir=run_dir / "logs")
     deadline = time.time() + 120
     while time.time() < deadline:
-        beats = read_all(tmp_path / "heartbeats")
+        beats = read_all(run_dir / "heartbeats")
         if len(beats) == 2 and min(b["step"] for b in beats.values()) > 100:
             break
         time.sleep(0.1)
+    return procs
+
+
+def test_chaos_command_kills_a_running_rank_and_the_run_heals(tmp_path, clean_long_digest):
+    from trainflow.cli import chaos
+
+    procs = _start_training(tmp_path)
     hit = chaos(tmp_path, "kill_rank", 1)
     assert hit["rank"] == 1 and hit["step"] > 100
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     (fault,) = _events(tmp_path, "fault_injected")
     assert fault["source"] == "chaos" and fault["kind"] == "kill_rank"
     assert _events(tmp_path, "resumed")
-    assert evaluate(tmp_path)["weights_sha256"] == evaluate(tmp_path.parent / "clean")["weights_sha256"]
+    assert evaluate(tmp_path)["weights_sha256"] == clean_long_digest
+
+
+def test_a_worker_killed_from_outside_is_counted_as_a_fault(tmp_path, clean_long_digest):
+    """A plain SIGKILL to a worker's pid (not trainflow's injector): the gang heals to the
+    clean weights and the books count the fault: its cause, its recovery, the steps redone."""
+    import os
+    import signal
+
+    from trainflow.goodput import summarize
+    from trainflow.heartbeat import read_all
+
+    procs = _start_training(tmp_path)
+    beat = read_all(tmp_path / "heartbeats")[1]
+    os.kill(int(beat["pid"]), signal.SIGKILL)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert evaluate(tmp_path)["weights_sha256"] == clean_long_digest
+    assert not _events(tmp_path, "fault_injected")
+    (exited, *others) = _events(tmp_path, "worker_exited")
+    assert (exited["rank"], exited["signal"]) == (1, "SIGKILL") and exited["step"] >= beat["step"]
+    events = read_timeline(tmp_path)
+    books = summarize(tmp_path, started=events[0]["time"], ended=events[-1]["time"], steps=LONG["steps"])
+    (fault,) = books["faults"]
+    assert (fault["kind"], fault["source"], fault["cause"]) == ("worker_exit", "outside", "rank 1 ended by SIGKILL")
+    assert fault["recovery_s"] > 0 and fault["resumed_from_step"] <= fault["step"]
+    assert fault["exits"] == 1 + len(others)  # the peers' exits follow from it: one fault
+    assert books["goodput"] < 1.0
 
 
 @pytest.fixture

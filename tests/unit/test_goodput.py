@@ -19,6 +19,27 @@ def test_fault_detection_and_recovery_are_paired():
     assert rec["steps_lost"] == 19 and rec["resumed_from_step"] == 100
 
 
+def test_an_exit_from_outside_opens_a_fault_and_an_injected_one_gives_its_cause():
+    outside = [
+        {"event": "worker_exited", "rank": 1, "signal": "SIGKILL", "exitcode": -9, "step": 140, "time": 10.0},
+        {"event": "worker_exited", "rank": 0, "signal": None, "exitcode": 1, "step": 140, "time": 10.5},
+        {"event": "resumed", "step": 100, "time": 14.0},
+        {"event": "worker_exited", "rank": 0, "signal": None, "exitcode": 137, "step": 300, "time": 30.0},
+        {"event": "resumed", "step": 300, "time": 33.0},
+    ]
+    first, second = fault_records(outside)
+    assert (first["kind"], first["source"], first["cause"]) == ("worker_exit", "outside", "rank 1 ended by SIGKILL")
+    assert first["exits"] == 2 and first["recovery_s"] == 4.0 and first["steps_lost"] == 39
+    assert second["cause"] == "rank 0 exited with code 137" and second["steps_lost"] == 0
+    injected = [
+        {"event": "fault_injected", "kind": "kill_rank", "step": 140, "rank": 1, "time": 9.9},
+        *outside[:3],
+    ]
+    (rec,) = fault_records(injected)  # the same fault, seen twice: one record
+    assert (rec["kind"], rec["source"], rec["cause"]) == ("kill_rank", "injected", "rank 1 ended by SIGKILL")
+    assert rec["exits"] == 2 and rec["steps_lost"] == 39
+
+
 def test_summary_goodput(tmp_path):
     record(tmp_path, "fault_injected", kind="kill_rank", step=51, rank=1)
     record(tmp_path, "resumed", step=50)

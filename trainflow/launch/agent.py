@@ -115,6 +115,47 @@ def fast_rendezvous_polling(poll_s: float) -> bool:
     return True
 
 
+def observe_worker_exits(run_dir: Path, node: int) -> bool:
+    """Record every worker failure this agent sees in the run's timeline (``worker_exited``:
+    rank, exit code, signal, the rank's last reported step), whatever caused it: a fault
+    trainflow injected, a signal from outside, an OOM kill, a crash. The goodput books and
+    the training page count faults from these observations.
+
+    Why here: torch elastic's agent is the one process that reaps the workers and learns
+    how they ended; it restarts them without telling anyone. Its monitor
+    (``LocalElasticAgent._monitor_workers``) is wrapped in this process only; if this torch
+    lacks it, nothing changes and a warning says so.
+
+    Returns:
+        Whether the monitor is observed.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from trainflow.heartbeat import read_all
+    from trainflow.timeline import record
+
+    monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if not callable(monitor):
+        log.warning("torch %s: LocalElasticAgent._monitor_workers is gone; worker exits are not "
+                    "recorded (faults from outside go uncounted)", _torch_version())
+        return False
+
+    def observed(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED:
+            beats = read_all(Path(run_dir) / "heartbeats")
+            for rank, failure in sorted(result.failures.items()):
+                sig = failure.signal_name() if failure.exitcode < 0 else None
+                record(run_dir, "worker_exited", node=node, rank=int(rank), exitcode=int(failure.exitcode),
+                       signal=None if sig in (None, "<N/A>") else sig, pid=int(failure.pid),
+                       step=(beats.get(int(rank)) or {}).get("step"))
+        return result
+
+    LocalElasticAgent._monitor_workers = observed
+    return True
+
+
 def cheap_rendezvous_records() -> bool:
     """Name torch elastic's rendezvous events from one frame instead of ``inspect.stack()``.
 
@@ -340,6 +381,7 @@ def run(plan_path: Path, node: int) -> int:
     if (poll_s := plan["rendezvous"].get("poll_interval")) is not None:  # older plans: torch's pace
         fast_rendezvous_polling(poll_s)
     cheap_rendezvous_records()
+    observe_worker_exits(Path(plan["run_dir"]), node)
     if plan["rendezvous"]["backend"] == "trainflow-db":
         from trainflow.launch import rdzv_db
 
