@@ -92,9 +92,13 @@ class Subprocess:
                                      env=self.env, start_new_session=True, text=True, bufsize=1)
 
         def pump() -> None:
+            from trainflow.tracebacks import TracebackLevels
+
             assert self.proc is not None and self.proc.stdout is not None
+            levels = TracebackLevels()  # a worker's traceback shows at ERROR
             for line in self.proc.stdout:
-                self.log.info("%s", line.rstrip())
+                line = line.rstrip()
+                self.log.log(levels.level(line), "%s", line)
 
         reader = threading.Thread(target=pump, name="subprocess-log", daemon=True)
         reader.start()
