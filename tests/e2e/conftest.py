@@ -52,6 +52,31 @@ def cancel_active_runs(client, timeout: float = 180) -> None:
 
 
 @pytest.fixture(scope="session")
+def wait_training():
+    """``wait_training(client, dag_id, run_id, past_step, timeout=300)``: the run's workspace
+    once every rank of its 2-node gang has reported a step past ``past_step``."""
+    return _wait_training
+
+
+def _wait_training(client, dag_id: str, run_id: str, past_step: int, timeout: float = 300, ranks: int = 2) -> str:
+    import time
+
+    from trainflow.heartbeat import read_all
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = {t["task_id"]: t["state"] for t in client.task_instances(dag_id, run_id)}
+        if states.get("provision") == "success":
+            run_dir = client.xcom(dag_id, run_id, "provision", "run_dir")
+            beats = read_all(f"{run_dir}/heartbeats")
+            if len(beats) == ranks and min(b["step"] for b in beats.values()) > past_step:
+                return run_dir
+        time.sleep(0.3)
+    raise AssertionError(f"{dag_id}/{run_id}: its {ranks} ranks never trained past step {past_step} "
+                         f"within {timeout} s")
+
+
+@pytest.fixture(scope="session")
 def run_to_end():
     """``run_to_end(client, dag_id, conf, run_id, timeout)``, see ``_run_to_end``."""
     return _run_to_end

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from trainflow.heartbeat import read_all
 from trainflow.timeline import read as read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -52,18 +51,11 @@ def _gang_processes(run_dir: str) -> list:
     return found
 
 
-def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(client, clean):
+def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(client, clean, wait_training):
     run_id = "controls-mark-failed"
     _trigger(client, run_id)
-    deadline, run_dir = time.time() + 300, None
-    while time.time() < deadline:  # training under way, past its first checkpoints
-        if {t["task_id"]: t["state"] for t in client.task_instances(DAG, run_id)}.get("provision") == "success":
-            run_dir = client.xcom(DAG, run_id, "provision", "run_dir")
-            beats = read_all(f"{run_dir}/heartbeats")
-            if len(beats) == 2 and min(b["step"] for b in beats.values()) > 120:
-                break
-        time.sleep(0.3)
-    assert run_dir is not None and _gang_processes(run_dir)
+    run_dir = wait_training(client, DAG, run_id, past_step=120)  # past its first checkpoints
+    assert _gang_processes(run_dir)
 
     # "Mark failed" on node 0, as the UI does it.
     marked = time.time()

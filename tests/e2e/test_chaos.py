@@ -87,24 +87,12 @@ def clean_long(client):
     return client.xcom(DAG, "chaos-clean-long", "evaluate", "metrics")["weights_sha256"]
 
 
-def test_scheduler_stop_and_restart_mid_run(client, stack, clean_long):
+def test_scheduler_stop_and_restart_mid_run(client, stack, clean_long, wait_training):
     import time
-
-    from trainflow.heartbeat import read_all
 
     run_id = "chaos-scheduler-restart"
     client.trigger(DAG, LONG, run_id=run_id)
-    deadline = time.time() + 180
-    run_dir = None
-    while time.time() < deadline:  # wait until training is under way
-        tis = {t["task_id"]: t["state"] for t in client.task_instances(DAG, run_id)}
-        if tis.get("provision") == "success":
-            run_dir = client.xcom(DAG, run_id, "provision", "run_dir")
-            beats = read_all(f"{run_dir}/heartbeats")
-            if beats and min(b["step"] for b in beats.values()) > 600:
-                break
-        time.sleep(0.5)
-    assert run_dir is not None
+    wait_training(client, DAG, run_id, past_step=600, timeout=180)
     assert stack.stop_component("scheduler")
     time.sleep(5)
     stack.start()
@@ -165,29 +153,20 @@ def test_straggler_is_reported_and_excluded_after_the_next_checkpoint(client, cl
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
 
 
-def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_identical(client, stack, clean_long):
+def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_identical(client, stack, clean_long,
+                                                                                     wait_training):
     """Priority preemption applied end to end (4-node pool): a preemptible 2-node run
     trains; a 3-node run of priority 10 arrives and cannot fit; the first is ordered to
     stop, commits a checkpoint, gives its nodes back and waits deferred in the queue; the
     second runs; the first is admitted again, resumes from the very step it stopped at
     (no work lost) and ends with the clean run's weights; nothing stays leased."""
-    import time
     from datetime import datetime
 
     from trainflow.cluster.allocator import Allocator
-    from trainflow.heartbeat import read_all
 
     low, hi = "chaos-preempted", "chaos-preemptor"
     client.trigger(DAG, {**LONG, "preemptible": True}, run_id=low)
-    deadline, run_dir = time.time() + 300, None
-    while time.time() < deadline:
-        if {t["task_id"]: t["state"] for t in client.task_instances(DAG, low)}.get("provision") == "success":
-            run_dir = client.xcom(DAG, low, "provision", "run_dir")
-            beats = read_all(f"{run_dir}/heartbeats")
-            if len(beats) == 2 and min(b["step"] for b in beats.values()) > 400:
-                break
-        time.sleep(0.5)
-    assert run_dir is not None
+    wait_training(client, DAG, low, past_step=400)
     client.trigger(DAG, {**CONF, "steps": 60, "checkpoint_interval": 30, "nodes": 3, "priority": 10,
                          "tenant": "chaos-hi"}, run_id=hi)
     assert client.wait_run(DAG, hi, timeout=600)["state"] == "success"
