@@ -124,14 +124,12 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
     import multiprocessing as mp
     import queue
 
-    # Everything the children run is imported here, before they fork: importing torch (which
-    # the rendezvous module loads) in 180 forked children of a threaded pytest worker was slow
-    # on a loaded machine and could leave a child stuck, its answer never coming.
-    from trainflow.launch.rdzv_db import ensure_schema
-
-    ensure_schema(tmp_path / "parent.db")  # loads the database modules too
-
-    ctx = mp.get_context("fork")
+    # The children fork from a forkserver that loaded what they run once: forked straight
+    # from the threaded pytest worker, a child could inherit a lock another thread held and
+    # never answer (seen on a loaded machine), and importing torch (which the rendezvous
+    # module loads) in each of 180 children was slow.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["trainflow.launch.rdzv_db", "trainflow.statedb"])
     errors = []
     for trial in range(60):
         barrier, out = ctx.Barrier(3), ctx.Queue()
