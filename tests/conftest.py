@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 # A test's tier is its folder's (tests/integration, tests/e2e), unless it is marked
 # explicitly, or (outside those folders) it uses a fixture that needs a service.
 TIERS = ("unit", "integration", "e2e", "browser")
-SERVICE_FIXTURES = frozenset({"pg_url", "s3_server", "redis_url"})
+SERVICE_FIXTURES = frozenset({"pg_url", "s3_server"})
 
 
 def _tier_of(item) -> str:
@@ -53,10 +53,7 @@ LONGEST_FIRST = ("e2e/test_chaos.py", "e2e/test_distributed_stack.py", "e2e/test
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
-        tier = _tier_of(item)
-        for other in TIERS:  # exactly one tier: drop a module-level marker the tier overrides
-            if other != tier:
-                item.own_markers[:] = [m for m in item.own_markers if m.name != other]
+        tier = _tier_of(item)  # a file mixing tiers marks its tests one by one, not its module
         item.add_marker(getattr(pytest.mark, tier))
         item.user_properties.append(("tier", tier))
 

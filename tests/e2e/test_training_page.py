@@ -14,7 +14,6 @@ import pytest
 from trainflow.testing import browser as browser_tools
 from trainflow.testing.browser import console_errors, screenshot, text
 
-pytestmark = pytest.mark.e2e
 DAG = "train_digits"
 RUN = "e2e-page-1"
 
