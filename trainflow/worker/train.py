@@ -5,8 +5,8 @@ node agent (both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT).
 
 Bit-identical results for a given seed and world size come from: a stateless sampler
 (the data position is the step), every rank's RNG reseeded from (seed, rank, step) at
-each step, the LR computed from the step, one intra-op thread, and a fixed-order
-gradient reduction (per-tensor all-reduce) instead of DDP's order-dependent buckets.
+each step, the LR computed from the step, one intra-op thread, and a gradient reduction
+whose summation order does not depend on DDP's bucket layout (``_canonical_allreduce``).
 """
 
 from __future__ import annotations
@@ -187,31 +187,48 @@ def step_seed(seed: int, rank: int, step: int) -> int:
     return (seed * 1_000_003 + rank * 10_007 + step) % (2**63 - 1)
 
 
-def _fixed_order_allreduce(process_group, bucket):
-    """DDP comm hook: average each gradient with its own all-reduce.
+def _canonical_allreduce(process_group, bucket):
+    """DDP comm hook: one all-reduce of the bucket's gradients laid out in the model's
+    parameter order, whatever order the bucket holds them in.
 
-    DDP rebuilds its buckets after the first step, and with three or more ranks the
-    summation order then depends on the bucket layout, so a resumed run would differ in
-    the last bits. Reducing tensor by tensor makes the order a function of the tensor.
+    DDP rebuilds its buckets after the first step (ordered by when gradients became
+    ready), and with three or more ranks a ring all-reduce sums an element in an order
+    set by its offset in the buffer: a resumed run would differ from an uninterrupted one
+    in the last bits. ``wrap`` keeps every gradient in one bucket (so a rebuild only
+    reorders it) and this hook undoes the order: the offsets, and so the sums, are the
+    same before and after a rebuild, at one collective per step.
     """
     import torch
     import torch.distributed as dist
 
     buf = bucket.buffer()
-    world = dist.get_world_size(process_group)
-    offset = 0
-    for grad in bucket.gradients():
-        seg = buf[offset : offset + grad.numel()]
-        seg.div_(world)
-        dist.all_reduce(seg, group=process_group)
+    params, grads = bucket.parameters(), bucket.gradients()
+    offsets, offset = [], 0
+    for grad in grads:
+        offsets.append(offset)
         offset += grad.numel()
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    order = sorted(range(len(params)), key=lambda i: params[i]._trainflow_index)
+    flat = torch.cat([grads[i].reshape(-1) for i in order])
+    flat.div_(dist.get_world_size(process_group))
+
+    def scatter_back(fut):
+        reduced, at = fut.value()[0], 0
+        for i in order:
+            n = grads[i].numel()
+            buf[offsets[i] : offsets[i] + n].copy_(reduced[at : at + n])
+            at += n
+        return buf
+
+    return dist.all_reduce(flat, group=process_group, async_op=True).get_future().then(scatter_back)
 
 
 def wrap(model, spec: TrainingSpec, shard_modules, device):
-    """Wrap ``model`` for data parallelism: DDP (default) or FSDP2 ``fully_shard``."""
+    """Wrap ``model`` for data parallelism: DDP (default) or FSDP2 ``fully_shard``.
+
+    DDP gets a single bucket sized to the model and ``_canonical_allreduce``: bit-exact
+    resumes at the speed of DDP's own all-reduce (no overlap of the reduction with the
+    backward pass, which on CPU ranks gains nothing measurable; see bench/throughput.py).
+    """
     if spec.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -221,8 +238,12 @@ def wrap(model, spec: TrainingSpec, shard_modules, device):
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, device_ids=None if device.type == "cpu" else [device.index])
-    ddp.register_comm_hook(None, _fixed_order_allreduce)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for index, param in enumerate(params):
+        param._trainflow_index = index
+    size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20 + 1.0
+    ddp = DDP(model, device_ids=None if device.type == "cpu" else [device.index], bucket_cap_mb=size_mb)
+    ddp.register_comm_hook(None, _canonical_allreduce)
     return ddp
 
 
