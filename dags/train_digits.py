@@ -2,9 +2,11 @@
 
 from operators.dag_factory import training_dag
 
+DEFAULTS = {"workload": "digits", "nodes": 2, "steps": 300, "batch_size": 32, "lr": 0.003,
+            "checkpoint_interval": 50}
+
 dag = training_dag(
     "train_digits",
-    defaults={"workload": "digits", "nodes": 2, "steps": 300, "batch_size": 32, "lr": 0.003,
-              "checkpoint_interval": 50},
+    defaults=DEFAULTS,
     description="digits CNN, 2 nodes × 1 rank, DDP on gloo; evaluate targets accuracy ≥ 0.95",
 )
