@@ -83,6 +83,10 @@ class ProvisionOperator(BaseOperator):
             spec = TrainingSpec.from_mapping(dict(context["params"]))
             check_tenant(spec.tenant, self.tenants)
             check_allowed(spec.faults, dag_allows=self.allow_faults)
+            if spec.program:  # the program exists and comes from an allowed place, before any lease
+                from trainflow.program import check_place
+
+                check_place(spec.program, spec.working_dir)
             ws = Workspace(default_root(), spec.tenant, self.dag_id, context["run_id"])
             check_devices(spec, HostRegistry().inventory(spec.queue))
         except SpecError as exc:

@@ -55,10 +55,11 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Health": ("heartbeat_interval", "heartbeat_timeout", "startup_timeout", "straggler_margin",
                "exclude_stragglers", "crash_loop_limit", "retries", "memory_limit_mb", "open_files_limit"),
     "Scheduling": ("tenant", "priority", "runtime_estimate", "preemptible", "admission_timeout"),
+    "Program": ("program", "program_env", "working_dir"),
     "Rehearsal faults": ("faults",),
 }
 # String fields whose empty value means "not set": optional in the form (null or absent).
-OPTIONAL_STRINGS = ("chip_model", "image", "store_uri")
+OPTIONAL_STRINGS = ("chip_model", "image", "store_uri", "working_dir")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +182,18 @@ class TrainingSpec:
     tenant: str = field(default="default", metadata=_meta(
         "Tenant", "Owner of the run; lower-case letters, digits and '-'.",
         pattern=NAME_PATTERN, maxLength=63))
+    program: tuple = field(default=(), metadata=_meta(
+        "Program", "Your own training program, run on every rank instead of the built-in loop "
+        "(the workload): an argv list such as [\"python\", \"-m\", \"myteam.train\", \"--out\", "
+        "\"{checkpoint_dir}\", \"--resume\", \"{resume_from}\"]; placeholders {checkpoint_dir}, "
+        "{resume_from}, {run_id}, {attempt}. Empty for the built-in loop.",
+        items={"type": "string", "maxLength": 4096}, maxItems=256))
+    program_env: dict = field(default_factory=dict, metadata=_meta(
+        "Program environment", "Extra environment variables for the program's ranks (names the "
+        "launch sets, such as RANK or MASTER_ADDR, are refused).", maxProperties=64))
+    working_dir: str = field(default="", metadata=_meta(
+        "Working directory", "Absolute directory the program runs in; empty for the run's workspace.",
+        maxLength=1000))
     faults: tuple = field(default=(), metadata=_meta(
         "Fault schedule", "Faults to inject, to rehearse recovery (refused unless the DAG allows "
         "it or the deployment sets TRAINFLOW_ALLOW_FAULTS=1): a list of "
@@ -194,8 +207,13 @@ class TrainingSpec:
                             "backend (nccl, hccl, cncl ...) that cannot span families; run one gang "
                             "per family, each its own run")
         for f in fields(self):
-            if f.type not in ("tuple", "int | str"):
+            if f.type not in ("tuple", "int | str", "dict"):
                 _check_field(f.name, getattr(self, f.name), f.type, f.metadata["schema"])
+        from trainflow.program import check_syntax
+
+        argv, env = check_syntax(self.program, self.program_env, self.working_dir)
+        object.__setattr__(self, "program", argv)
+        object.__setattr__(self, "program_env", env)
         object.__setattr__(self, "faults", parse_faults(self.faults, world_size=self.world_size,
                                                         steps=self.steps))
         for i, fault in enumerate(self.faults):
@@ -263,6 +281,7 @@ class TrainingSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["faults"] = [f.to_dict() for f in self.faults]
+        d["program"] = list(self.program)
         return d
 
     def to_json(self) -> str:
@@ -314,12 +333,15 @@ class TrainingSpec:
             values["batch_policy"] = self.batch_policy
         if self.precision != "fp32":
             values["precision"] = self.precision
+        if self.program:  # a program's weights are its own business: its argv and environment
+            values.update(program=list(self.program), program_env=self.program_env,
+                          working_dir=self.working_dir)
         payload = json.dumps(values, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 _JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "tuple": "array",
-               "bool": "boolean", "int | str": ["integer", "string"]}
+               "bool": "boolean", "dict": "object", "int | str": ["integer", "string"]}
 
 
 def _parse_nodes(value: Any) -> int | str:
@@ -414,7 +436,8 @@ def param_schema(defaults: Mapping[str, Any] | None = None,
         meta = f.metadata
         default = getattr(base, f.name)
         out[f.name] = {
-            "default": [x.to_dict() for x in default] if f.type == "tuple" else default,
+            "default": ([x.to_dict() for x in default] if f.name == "faults" else list(default)
+                        if f.type == "tuple" else dict(default) if f.type == "dict" else default),
             "type": _JSON_TYPES[f.type],
             "title": meta["title"],
             "description": meta["description"],

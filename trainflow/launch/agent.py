@@ -42,8 +42,14 @@ def agent_env(plan: dict, node: int, host_env: dict[str, str] | None = None) -> 
     host_env = os.environ if host_env is None else host_env
     propagated = {k: v for k, v in plan.get("env", {}).items()
                   if not (k.endswith(HOST_LOCAL_SUFFIXES) and host_env.get(k))}
+    run_dir = plan.get("run_dir")
+    # The launch contract's run-wide part (trainflow.program.CONTRACT); the rest is per gang.
+    contract = {"TRAINFLOW_RUN_ID": str(plan.get("run_id", "")), "TRAINFLOW_RUN_DIR": str(run_dir),
+                "TRAINFLOW_CHECKPOINT_DIR": os.path.join(run_dir, "checkpoints"),
+                "TRAINFLOW_PROGRESS": os.path.join(run_dir, "heartbeats")} if run_dir else {}
     return {
         **propagated,
+        **contract,
         "TRAINFLOW_NODE": str(node),
         "TRAINFLOW_AGENT_PID": str(os.getpid()),
         "OMP_NUM_THREADS": "1",
@@ -153,6 +159,33 @@ def observe_worker_exits(run_dir: Path, node: int) -> bool:
         return result
 
     LocalElasticAgent._monitor_workers = observed
+    return True
+
+
+def name_each_gang() -> bool:
+    """Give every gang an identity its ranks share (``TRAINFLOW_GANG``: the rendezvous id
+    and round), set in this agent after each rendezvous so the workers it starts inherit
+    it. A program's ranks key their agreement on the resume point by it
+    (``launch.program``). Falls back to the gang's store address where this torch hides
+    the round (a fresh store per round: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    rendezvous = getattr(SimpleElasticAgent, "_rendezvous", None)
+    if not callable(rendezvous):
+        log.warning("torch %s: SimpleElasticAgent._rendezvous is gone; gangs are named by their "
+                    "store address", _torch_version())
+        return False
+
+    def named(self, worker_group):
+        result = rendezvous(self, worker_group)
+        handler = worker_group.spec.rdzv_handler
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        round_ = getattr(state, "round", None)
+        os.environ["TRAINFLOW_GANG"] = (f"{handler.get_run_id()}:{round_}" if round_ is not None
+                                        else f"{worker_group.master_addr}:{worker_group.master_port}")
+        return result
+
+    SimpleElasticAgent._rendezvous = named
     return True
 
 
@@ -387,8 +420,17 @@ def run(plan_path: Path, node: int) -> int:
 
         rdzv_db.register()
 
-    worker = ("-u", "-m", "trainflow.worker.train")
-    if warm_starts(plan):
+    name_each_gang()
+    program = bool(plan["spec"].get("program"))
+    sealer = None
+    if program:  # the user's own program: each rank starts through launch.program
+        from trainflow.launch.seal import Sealer
+
+        worker = ("-u", "-m", "trainflow.launch.program")
+        sealer = Sealer(Path(plan["run_dir"]), plan["spec"]).start()
+    else:
+        worker = ("-u", "-m", "trainflow.worker.train")
+    if not program and warm_starts(plan):
         worker = start_zygote(plan, node)
     if gang_below_full_size(plan, node, now=time.time()):
         # Ask to join only once this node's workers can start warm: the gang pauses for us.
@@ -402,6 +444,8 @@ def run(plan_path: Path, node: int) -> int:
         return 0
     try:
         elastic_launch(launch_config(plan), entrypoint=sys.executable)(*worker, "--run-dir", plan["run_dir"])
+        if sealer is not None:
+            sealer.finish(node)  # the last commits sealed; a short or checkpoint-less program fails here
     except BaseException as exc:  # noqa: BLE001 - recorded, then the agent fails
         write_json_atomic(status_file, {"node": node, "state": "failed", "pid": os.getpid(),
                                         "started": started, "ended": time.time(),

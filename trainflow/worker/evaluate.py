@@ -31,12 +31,6 @@ def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
     Raises:
         CheckpointError: no checkpoint verifies.
     """
-    import torch
-
-    from trainflow.checkpoint import dcp
-    from trainflow.workloads import load_workload
-
-    torch.set_num_threads(1)
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
     thash = spec.training_hash()
     if checkpoint:
@@ -45,6 +39,14 @@ def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
         ref = manifest.newest_verified(run_dir / "checkpoints", training_hash=thash)
     if ref is None:
         raise CheckpointError(f"no verified checkpoint to evaluate ({checkpoint or run_dir / 'checkpoints'})")
+    if spec.program:
+        return program_result(run_dir, ref)
+    import torch
+
+    from trainflow.checkpoint import dcp
+    from trainflow.workloads import load_workload
+
+    torch.set_num_threads(1)
     workload = load_workload(spec)
     dcp.load_model_only(workload.model, ref.path)
     metrics = check_metrics(workload.evaluate(workload.model))  # bounded: it goes to XCom and the page
@@ -61,6 +63,73 @@ def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
         result["target"] = {"metric": name, "op": op, "value": value,
                             "met": bool(_OPS[op](metrics[name], value))}
     return result
+
+
+# Files whose bytes are not a function of their content alone (``torch.save`` writes a
+# fresh serialization id into each): identified by the tensors and values they hold.
+TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
+
+
+def _tree_digest(h, obj) -> None:
+    """Feed ``obj`` (nested dicts, lists, tensors, numbers) into ``h`` in a fixed order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(b"{")
+        for key in sorted(obj, key=repr):
+            h.update(repr(key).encode())
+            _tree_digest(h, obj[key])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for item in obj:
+            _tree_digest(h, item)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode())
+
+
+def content_digest(path: Path, meta: dict) -> str:
+    """A checkpoint file's identity: for PyTorch files, a digest of the tensors and values
+    they hold (the same for two saves of equal state); for any other file its recorded
+    digest."""
+    import hashlib
+
+    if path.suffix in TORCH_FILES:
+        import torch
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - not a torch file after all: its bytes identify it
+            return ":".join(manifest.entry_digest(meta))
+        h = hashlib.sha256()
+        _tree_digest(h, state)
+        return "torch:" + h.hexdigest()
+    return ":".join(manifest.entry_digest(meta))
+
+
+def program_result(run_dir: Path, ref) -> dict:
+    """What a user's program's run shows: the metrics it last reported (rank 0's), and the
+    identity of its final checkpoint (``weights_sha256``): a digest over its files by path,
+    each identified by its content (``content_digest``), so two runs that saved the same
+    state compare equal."""
+    import hashlib
+
+    from trainflow.timeline import read_lines
+
+    curve = read_lines(run_dir / "curve.jsonl")
+    last = curve[-1] if curve else {}
+    metrics = {k: v for k, v in (last.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    files = (manifest.read_manifest(Path(ref.path)) or {}).get("files", {})
+    identity = hashlib.sha256(json.dumps({rel: content_digest(Path(ref.path) / rel, meta)
+                                          for rel, meta in sorted(files.items())}, sort_keys=True).encode())
+    return {"program": True, "step": ref.step, "checkpoint": ref.path,
+            "metrics": check_metrics({**metrics, "step": float(ref.step)}),
+            "weights_sha256": identity.hexdigest(), "reported_step": last.get("step")}
 
 
 def main(argv: list[str] | None = None) -> int:
