@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,8 +24,11 @@ ACTIVE_RUN_STATES = ("queued", "running")
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("stack")
+    # Users' programs may run from the repository's examples (tests/e2e/test_programs.py).
+    examples = Path(__file__).resolve().parents[2] / "examples"
     s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                      allow_faults=True, extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
+                      allow_faults=True, extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection(),
+                                                    "TRAINFLOW_PROGRAM_ROOTS": str(examples)})
     try:
         s.up(timeout=240)
         yield s
