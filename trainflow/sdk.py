@@ -205,6 +205,25 @@ class Checkpoint:
             self.commit()
 
 
+def commit_dir(step: int, source: str | os.PathLike) -> None:
+    """Commit a checkpoint a trainer already wrote into a folder of its own (a Hugging Face
+    ``checkpoint-N``): once every rank has committed, trainflow moves ``source`` into place
+    as the checkpoint of ``step`` and seals it like any other."""
+    root = checkpoint_dir()
+    if root is None:
+        return
+    marks = root / COMMITS / f"step-{int(step):08d}"
+    marks.mkdir(parents=True, exist_ok=True)
+    mark = marks / f"rank-{rank():05d}.json"
+    tmp = mark.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank(), "world": world_size(), "time": time.time(),
+                               "source": str(Path(source).resolve())}))
+    os.replace(tmp, mark)
+    p = _state()
+    if p is not None:
+        p.last_checkpoint = int(step)
+
+
 def checkpoint(step: int) -> Checkpoint:
     """Start the checkpoint of ``step``: ``with sdk.checkpoint(step) as path: save(path)``
     commits on leaving the block (or call ``.commit()`` on the returned object)."""

@@ -81,6 +81,7 @@ class Sealer:
             os.close(fd)
             began = max(float(r.get("time", time.time())) for r in ranks)
             try:
+                self._adopt(step, {r["source"] for r in ranks if r.get("source")})
                 ref = manifest.commit(self.root, step, world_size=len(ranks),
                                       training_hash=self.spec.training_hash(), extra={"program": True})
             except (CheckpointError, OSError) as exc:
@@ -96,6 +97,21 @@ class Sealer:
             finally:
                 shutil.rmtree(marks, ignore_errors=True)
         return sealed
+
+    def _adopt(self, step: int, sources: set[str]) -> None:
+        """Move a folder a trainer saved on its own (``sdk.commit_dir``) into the place of
+        the checkpoint of ``step``, inside the checkpoint directory only."""
+        if not sources:
+            return
+        if len(sources) > 1:
+            raise CheckpointError(f"the ranks committed different folders for step {step}: {sorted(sources)}")
+        source = Path(sources.pop())
+        if self.root.resolve() not in source.parents:
+            raise CheckpointError(f"{source} is outside the run's checkpoint directory {self.root}")
+        target = manifest.partial_dir(self.root, step)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(source, target)
 
     def prune(self) -> None:
         """Keep the ``keep_last`` newest sealed checkpoints (partials of later steps, still
