@@ -33,7 +33,7 @@ from trainflow.workspace import write_json_atomic  # noqa: E402
 
 def run_torchrun(spec: TrainingSpec, work: Path) -> float:
     run_dir = work / f"torchrun-{time.time_ns()}"
-    for sub in ("checkpoints", "heartbeats"):
+    for sub in ("checkpoints", "heartbeats", "control"):
         (run_dir / sub).mkdir(parents=True)
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),

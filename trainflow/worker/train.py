@@ -316,6 +316,38 @@ def _collate(train, indices, device):
     return tuple(t.to(device) for t in batch) if isinstance(batch, (tuple, list)) else batch.to(device)
 
 
+class StepProfiler:
+    """``TRAINFLOW_PROFILE=<file>``: rank 0 runs ``torch.profiler`` over ``STEPS`` steady steps
+    (from the 20th after the start) and writes the top operators by self CPU time to the
+    file (bench/throughput.py --profile)."""
+
+    STEPS = 20
+    SKIP = 20
+
+    def __init__(self, path: str, start: int) -> None:
+        self.path, self.begin = path, start + self.SKIP
+        self.prof = None
+
+    @classmethod
+    def from_env(cls, rank: int, start: int, steps: int) -> "StepProfiler | None":
+        path = os.environ.get("TRAINFLOW_PROFILE")
+        if not path or rank != 0 or start + cls.SKIP + cls.STEPS > steps:
+            return None
+        return cls(path, start)
+
+    def at(self, step: int) -> None:
+        import torch
+
+        if step == self.begin:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        elif step == self.begin + self.STEPS and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            Path(self.path).write_text(f"{self.STEPS} steps from step {self.begin}\n{table}")
+            self.prof = None
+
+
 def user_code(rank: int, fn, *args):
     """Call workload code; its exceptions become ``UserCodeError`` (never retried)."""
     try:
@@ -366,6 +398,8 @@ def run(run_dir: Path) -> int:
 
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
     apply_limits(spec)
+    for sub in ("checkpoints", "heartbeats", "control"):  # plain torchrun needs only spec.json
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("TRAINFLOW_NODE", os.environ.get("GROUP_RANK", "0")))
     if not (spec.min_world_size <= world <= spec.world_size and world % spec.nproc_per_node == 0):
@@ -506,7 +540,10 @@ def run(run_dir: Path) -> int:
             checkpointer.wait()
 
     preempted_at = None
+    profiler = StepProfiler.from_env(rank, start, spec.steps)
     for step in range(start, spec.steps):
+        if profiler is not None:
+            profiler.at(step)
         torch.manual_seed(step_seed(spec.seed, rank, step))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(spec, step)
