@@ -46,9 +46,10 @@ def _tier_of(item) -> str:
 # hand out the files with the most tests first): the longest files go first so that neither
 # worker is left with a long one at the end (the tinylm run of test_resume.py once trained
 # alone for six minutes while the other worker idled).
-LONGEST_FIRST = ("e2e/test_chaos.py", "e2e/test_distributed_stack.py", "e2e/test_elastic_gangs.py",
-                 "e2e/test_soak.py", "integration/test_resume.py", "e2e/test_embedded_stack.py",
-                 "integration/test_faults.py", "integration/test_elastic.py")
+LONGEST_FIRST = ("e2e/test_chaos.py", "e2e/test_distributed_stack.py", "e2e/test_programs.py",
+                 "e2e/test_elastic_gangs.py", "e2e/test_soak.py", "integration/test_resume.py",
+                 "e2e/test_embedded_stack.py", "integration/test_faults.py", "integration/test_program.py",
+                 "integration/test_elastic.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

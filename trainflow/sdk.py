@@ -85,6 +85,7 @@ class _Progress:
         spec = json.loads((_run_dir() / "spec.json").read_text())
         self.total = int(spec.get("steps", 0))
         self.interval = float(spec.get("heartbeat_interval", 1.0))
+        self.batch = int(spec.get("batch_size", 1))
         self.beat = HeartbeatWriter(Path(os.environ.get("TRAINFLOW_PROGRESS") or _run_dir() / "heartbeats"),
                                     rank=rank(), node=int(os.environ.get("TRAINFLOW_NODE", "0")),
                                     interval=self.interval, world=world_size())
@@ -119,7 +120,7 @@ def report(step: int, **metrics: float) -> None:
     values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     if now - p.window[0] >= p.interval:
         t0, s0 = p.window
-        p.samples_per_s = (step - s0) / (now - t0) * float(values.get("batch_size", 1))
+        p.samples_per_s = (step - s0) / (now - t0) * p.batch
         p.window = (now, step)
     p.beat.beat(step=int(step), total=p.total, state=RankState.TRAINING, loss=values.get("loss"),
                 samples_per_s=p.samples_per_s, checkpoint_step=p.last_checkpoint, metrics=values)
@@ -249,7 +250,9 @@ def should_stop() -> bool:
     if dist is not None and dist.is_available() and dist.is_initialized() and world_size() > 1:
         import torch
 
-        flag = torch.tensor([1.0 if asked and rank() == 0 else 0.0])
+        backend = str(dist.get_backend())  # a CPU tensor unless only an accelerator backend runs
+        device = "cpu" if "gloo" in backend else (torch.accelerator.current_accelerator() or "cpu")
+        flag = torch.tensor([1.0 if asked and rank() == 0 else 0.0], device=device)
         dist.broadcast(flag, src=0)
         return bool(flag.item())
     return asked

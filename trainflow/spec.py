@@ -55,7 +55,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Health": ("heartbeat_interval", "heartbeat_timeout", "startup_timeout", "straggler_margin",
                "exclude_stragglers", "crash_loop_limit", "retries", "memory_limit_mb", "open_files_limit"),
     "Scheduling": ("tenant", "priority", "runtime_estimate", "preemptible", "admission_timeout"),
-    "Program": ("program", "program_env", "working_dir"),
+    "Program": ("program", "program_env", "working_dir", "exit_codes_no_retry"),
     "Rehearsal faults": ("faults",),
 }
 # String fields whose empty value means "not set": optional in the form (null or absent).
@@ -191,6 +191,10 @@ class TrainingSpec:
     program_env: dict = field(default_factory=dict, metadata=_meta(
         "Program environment", "Extra environment variables for the program's ranks (names the "
         "launch sets, such as RANK or MASTER_ADDR, are refused).", maxProperties=64))
+    exit_codes_no_retry: tuple = field(default=(), metadata=_meta(
+        "Exit codes that end the run", "Exit codes of the program that mean a user error: the run "
+        "fails at once instead of restarting (for example [2] for a bad command line).",
+        items={"type": "integer", "minimum": 1, "maximum": 255}, maxItems=32))
     working_dir: str = field(default="", metadata=_meta(
         "Working directory", "Absolute directory the program runs in; empty for the run's workspace.",
         maxLength=1000))
@@ -214,6 +218,11 @@ class TrainingSpec:
         argv, env = check_syntax(self.program, self.program_env, self.working_dir)
         object.__setattr__(self, "program", argv)
         object.__setattr__(self, "program_env", env)
+        codes = self.exit_codes_no_retry
+        if isinstance(codes, (str, bytes)) or not isinstance(codes, (list, tuple)) or len(codes) > 32 or any(
+                isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255 for c in codes):
+            raise SpecError("exit_codes_no_retry", codes, "a list of at most 32 exit codes, each 1-255")
+        object.__setattr__(self, "exit_codes_no_retry", tuple(codes))
         object.__setattr__(self, "faults", parse_faults(self.faults, world_size=self.world_size,
                                                         steps=self.steps))
         for i, fault in enumerate(self.faults):
@@ -282,6 +291,7 @@ class TrainingSpec:
         d = asdict(self)
         d["faults"] = [f.to_dict() for f in self.faults]
         d["program"] = list(self.program)
+        d["exit_codes_no_retry"] = list(self.exit_codes_no_retry)
         return d
 
     def to_json(self) -> str:

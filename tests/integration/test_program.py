@@ -100,3 +100,93 @@ def test_a_program_that_stops_short_of_the_steps_fails_the_run_saying_so(tmp_pat
     assert record and record["kind"] == "user"
     assert "after reporting step 300 of the 600" in record["message"]
     assert not (run_dir / "control" / "complete.json").exists()
+
+
+def test_a_preempted_program_stops_at_a_verified_checkpoint_and_resumes_bit_identical(clean, tmp_path):
+    """The node tasks' preemption order (``control/preempt-request.json``): the program's
+    ``sdk.should_stop()`` turns true on every rank at the same step, it commits a checkpoint
+    there and exits 0; the agents answer ``preempted`` instead of judging the short run.
+    Launched again (as the requeued run is), it resumes from that checkpoint and ends with
+    the clean run's weights."""
+    from trainflow.workspace import PREEMPT_REQUEST, PREEMPTED, completed, write_json_atomic
+
+    spec = _spec()
+    run_dir = tmp_path / "preempted"
+    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            beats = read_all(run_dir / "heartbeats")
+            if len(beats) == 2 and min(b["step"] for b in beats.values()) >= 20:
+                break
+            time.sleep(0.01)
+        write_json_atomic(run_dir / "control" / PREEMPT_REQUEST, {"by": "t/hi/1", "reason": "test", "at": 0})
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+    stop = json.loads((run_dir / "control" / PREEMPTED).read_text())
+    assert 20 <= stop["step"] < STEPS and stop["by"] == "t/hi/1", stop
+    assert manifest.newest_verified(run_dir / "checkpoints").step == stop["step"]
+    assert not completed(run_dir)
+    states = {json.loads(p.read_text())["state"] for p in (run_dir / "nodes").glob("node-*.json")}
+    assert states == {"preempted"}
+    for name in (PREEMPT_REQUEST, PREEMPTED):  # what the node tasks do once admitted again
+        (run_dir / "control" / name).unlink()
+    assert run_local(spec, run_dir) == [0, 0]
+    assert [e["step"] for e in read(run_dir) if e["event"] == "gang_start"][-1] == stop["step"]
+    assert evaluate(run_dir)["weights_sha256"] == evaluate(clean)["weights_sha256"]
+
+
+def test_a_program_without_the_sdk_heals_a_kill_from_its_own_checkpoint_layout(tmp_path):
+    """``examples/dcp_program.py`` knows nothing of trainflow: it saves DCP folders
+    ``ckpt-<step>`` into ``{checkpoint_dir}`` and resumes from ``--resume``. trainflow seals
+    each complete folder (its ``.metadata`` present) as a verified checkpoint, heartbeats
+    for its ranks from that progress, and after a rank is SIGKILLed hands the newest to the
+    restarted gang: it ends with an uninterrupted run's state."""
+    program = ["python", str(REPO / "examples" / "dcp_program.py"), "--steps", "3000", "--every", "300",
+               "--out", "{checkpoint_dir}", "--resume", "{resume_from}"]
+    spec = TrainingSpec(nodes=2, steps=3000, checkpoint_interval=300, keep_last=2, heartbeat_interval=0.5,
+                        program=program, exit_codes_no_retry=[2])
+    clean = tmp_path / "clean"
+    assert run_local(spec, clean) == [0, 0]
+    assert [s for s, _ in manifest.list_checkpoints(clean / "checkpoints")] == [3000, 2700]
+    assert all(e.get("layout") == "dcp" for e in read(clean) if e["event"] == "checkpoint_committed")
+    run_dir = tmp_path / "killed"
+    procs = start_agents(prepare(spec, run_dir), spec.nodes, log_dir=run_dir / "logs")
+    killed = None
+    try:
+        import psutil
+
+        deadline = time.time() + 300
+        while time.time() < deadline and killed is None:
+            ref = manifest.newest_verified(run_dir / "checkpoints")
+            if ref is not None and ref.step < 2400:
+                workers = [c for p in procs for c in psutil.Process(p.pid).children(recursive=True)
+                           if "dcp_program.py" in " ".join(c.cmdline())]
+                if len(workers) == 2:
+                    os.kill(workers[-1].pid, signal.SIGKILL)
+                    killed = ref.step
+            time.sleep(0.01)
+        assert killed is not None, "no checkpoint before the program ended"
+        assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+    starts = [e for e in read(run_dir) if e["event"] == "gang_start"]
+    assert len(starts) == 2 and starts[1]["step"] >= killed > 0
+    assert evaluate(run_dir)["weights_sha256"] == evaluate(clean)["weights_sha256"]
+
+
+def test_an_exit_code_named_no_retry_ends_the_run_at_once(tmp_path):
+    """argparse exits 2 on a bad command line: with ``exit_codes_no_retry=[2]`` the run is
+    aborted on the first exit instead of restarting the gang."""
+    spec = TrainingSpec(nodes=2, steps=100, checkpoint_interval=50, exit_codes_no_retry=[2],
+                        program=["python", str(REPO / "examples" / "dcp_program.py"), "--no-such-flag"])
+    run_dir = tmp_path / "bad-flag"
+    assert run_local(spec, run_dir, timeout=300) != [0, 0]
+    record = aborted(run_dir)
+    assert record and record["kind"] == "user" and "exited with code 2" in record["message"], record
+    assert sum(1 for e in read(run_dir) if e["event"] == "gang_start") == 1

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from trainflow.workspace import COMPLETE, GROW_ACK, completed, preempted, write_json_atomic
@@ -121,7 +122,7 @@ def fast_rendezvous_polling(poll_s: float) -> bool:
     return True
 
 
-def observe_worker_exits(run_dir: Path, node: int) -> bool:
+def observe_worker_exits(run_dir: Path, node: int, no_retry: frozenset[int] = frozenset()) -> bool:
     """Record every worker failure this agent sees in the run's timeline (``worker_exited``:
     rank, exit code, signal, the rank's last reported step), whatever caused it: a fault
     trainflow injected, a signal from outside, an OOM kill, a crash. The goodput books and
@@ -131,6 +132,9 @@ def observe_worker_exits(run_dir: Path, node: int) -> bool:
     how they ended; it restarts them without telling anyone. Its monitor
     (``LocalElasticAgent._monitor_workers``) is wrapped in this process only; if this torch
     lacks it, nothing changes and a warning says so.
+
+    An exit code in ``no_retry`` (the spec's ``exit_codes_no_retry``: the program's own word
+    for a user error) aborts the run instead: no restart, no retry.
 
     Returns:
         Whether the monitor is observed.
@@ -156,10 +160,30 @@ def observe_worker_exits(run_dir: Path, node: int) -> bool:
                 record(run_dir, "worker_exited", node=node, rank=int(rank), exitcode=int(failure.exitcode),
                        signal=None if sig in (None, "<N/A>") else sig, pid=int(failure.pid),
                        step=(beats.get(int(rank)) or {}).get("step"))
+                if failure.exitcode in no_retry:
+                    from trainflow.remediation import abort
+
+                    message = (f"rank {rank} exited with code {failure.exitcode}, which exit_codes_no_retry "
+                               f"names a user error: the run stops instead of restarting")
+                    record(run_dir, "user_error", rank=int(rank), message=message)
+                    abort(run_dir, {"rank": int(rank), "kind": "user", "type": "ExitCode", "message": message,
+                                    "time": time.time()})
         return result
 
     LocalElasticAgent._monitor_workers = observed
     return True
+
+
+def _gang_nonce(worker_group) -> str:
+    """A token drawn once per gang and shared through the round's store: a relaunched gang
+    (new agents, a new store, rounds counted from 0 again) never takes an old gang's name.
+    Empty where the rendezvous gave no store."""
+    store = getattr(worker_group, "store", None)
+    if store is None:
+        return ""
+    if worker_group.group_rank == 0:
+        store.set("trainflow/gang", uuid.uuid4().hex)
+    return store.get("trainflow/gang").decode()
 
 
 def name_each_gang() -> bool:
@@ -181,8 +205,9 @@ def name_each_gang() -> bool:
         handler = worker_group.spec.rdzv_handler
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         round_ = getattr(state, "round", None)
-        os.environ["TRAINFLOW_GANG"] = (f"{handler.get_run_id()}:{round_}" if round_ is not None
-                                        else f"{worker_group.master_addr}:{worker_group.master_port}")
+        name = (f"{handler.get_run_id()}:{round_}" if round_ is not None
+                else f"{worker_group.master_addr}:{worker_group.master_port}")
+        os.environ["TRAINFLOW_GANG"] = f"{name}:{_gang_nonce(worker_group)}"
         return result
 
     SimpleElasticAgent._rendezvous = named
@@ -414,7 +439,8 @@ def run(plan_path: Path, node: int) -> int:
     if (poll_s := plan["rendezvous"].get("poll_interval")) is not None:  # older plans: torch's pace
         fast_rendezvous_polling(poll_s)
     cheap_rendezvous_records()
-    observe_worker_exits(Path(plan["run_dir"]), node)
+    observe_worker_exits(Path(plan["run_dir"]), node,
+                         no_retry=frozenset(plan["spec"].get("exit_codes_no_retry") or ()))
     if plan["rendezvous"]["backend"] == "trainflow-db":
         from trainflow.launch import rdzv_db
 
@@ -427,7 +453,8 @@ def run(plan_path: Path, node: int) -> int:
         from trainflow.launch.seal import Sealer
 
         worker = ("-u", "-m", "trainflow.launch.program")
-        sealer = Sealer(Path(plan["run_dir"]), plan["spec"]).start()
+        ranks = plan["nodes"][node]["ranks"] if node < len(plan["nodes"]) else []
+        sealer = Sealer(Path(plan["run_dir"]), plan["spec"], ranks=ranks, node=node).start()
     else:
         worker = ("-u", "-m", "trainflow.worker.train")
     if not program and warm_starts(plan):

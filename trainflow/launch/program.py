@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = TrainingSpec.from_json((run_dir / "spec.json").read_text())
     apply_limits(spec)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from trainflow.remediation import aborted
+
+    if aborted(run_dir) is not None:  # a user error stopped the run: no new gang
+        print(f"[rank {rank}] the run was aborted; not starting the program", file=sys.stderr, flush=True)
+        return 3
     gang = gang_key()
     try:
         plan_run_id = json.loads((run_dir / "plan.json").read_text()).get("run_id", run_dir.name)

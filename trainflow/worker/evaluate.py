@@ -112,6 +112,23 @@ def content_digest(path: Path, meta: dict) -> str:
     return ":".join(manifest.entry_digest(meta))
 
 
+def dcp_digest(path: Path) -> str:
+    """The identity of a DCP checkpoint's state (its ``.metadata`` records the path it was
+    written to, so its bytes differ between runs that saved equal state)."""
+    import hashlib
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), str(Path(tmp) / "state.pt"))
+        state = torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=False)
+    h = hashlib.sha256()
+    _tree_digest(h, state)
+    return "dcp:" + h.hexdigest()
+
+
 def program_result(run_dir: Path, ref) -> dict:
     """What a user's program's run shows: the metrics it last reported (rank 0's), and the
     identity of its final checkpoint (``weights_sha256``): a digest over its files by path,
@@ -125,8 +142,11 @@ def program_result(run_dir: Path, ref) -> dict:
     last = curve[-1] if curve else {}
     metrics = {k: v for k, v in (last.get("metrics") or {}).items() if isinstance(v, (int, float))}
     files = (manifest.read_manifest(Path(ref.path)) or {}).get("files", {})
-    identity = hashlib.sha256(json.dumps({rel: content_digest(Path(ref.path) / rel, meta)
-                                          for rel, meta in sorted(files.items())}, sort_keys=True).encode())
+    if ".metadata" in files:  # a DCP folder: its state, whatever the files' layout and paths
+        identity = hashlib.sha256(dcp_digest(Path(ref.path)).encode())
+    else:
+        identity = hashlib.sha256(json.dumps({rel: content_digest(Path(ref.path) / rel, meta)
+                                              for rel, meta in sorted(files.items())}, sort_keys=True).encode())
     return {"program": True, "step": ref.step, "checkpoint": ref.path,
             "metrics": check_metrics({**metrics, "step": float(ref.step)}),
             "weights_sha256": identity.hexdigest(), "reported_step": last.get("step")}
