@@ -21,14 +21,24 @@ from trainflow.stack import EmbeddedStack
 ACTIVE_RUN_STATES = ("queued", "running")
 
 
+@pytest.fixture(scope="module")
+def stack(shared_stack):
+    """The shared stack, started again if this worker stopped it once the e2e files it had
+    were done (``tests/conftest.py`` stops it before a unit or integration test)."""
+    if not any(shared_stack.pid(c) for c in shared_stack.components):
+        shared_stack.up(timeout=240)
+    return shared_stack
+
+
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, s3_server):
+def shared_stack(request, tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("stack")
     # Users' programs may run from the repository's examples (tests/e2e/test_programs.py).
     examples = Path(__file__).resolve().parents[2] / "examples"
     s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
                       allow_faults=True, extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection(),
                                                     "TRAINFLOW_PROGRAM_ROOTS": str(examples)})
+    request.config.trainflow_idle_stacks = [*getattr(request.config, "trainflow_idle_stacks", []), s]
     try:
         s.up(timeout=240)
         yield s
@@ -78,6 +88,27 @@ def _wait_training(client, dag_id: str, run_id: str, past_step: int, timeout: fl
         time.sleep(0.3)
     raise AssertionError(f"{dag_id}/{run_id}: its {ranks} ranks never trained past step {past_step} "
                          f"within {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """``reference(conf)``: the final ``weights_sha256`` of a clean run of ``train_digits``
+    with ``conf`` (no faults), trained by a local gang — the launcher the DAG's node tasks
+    run — without Airflow's tasks around it; computed once per conf in a session."""
+    import json
+
+    from bench.soak import clean_weights
+
+    known: dict[str, str] = {}
+
+    def weights(conf: dict) -> str:
+        conf = {k: v for k, v in conf.items() if k != "tenant"}  # who trains does not change what
+        key = json.dumps(conf, sort_keys=True)
+        if key not in known:
+            known[key] = clean_weights({**conf, "tenant": "reference"}, tmp_path_factory.mktemp("reference"))
+        return known[key]
+
+    return weights
 
 
 @pytest.fixture(scope="session")

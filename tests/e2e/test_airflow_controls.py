@@ -31,10 +31,8 @@ def _trigger(client, run_id):
 
 
 @pytest.fixture(scope="module")
-def clean(client):
-    _trigger(client, "controls-clean")
-    assert client.wait_run(DAG, "controls-clean", timeout=600)["state"] == "success"
-    return client.xcom(DAG, "controls-clean", "evaluate", "metrics")["weights_sha256"]
+def clean(reference):
+    return reference(CONF)
 
 
 def _gang_processes(run_dir: str) -> list:

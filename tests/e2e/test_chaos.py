@@ -24,10 +24,8 @@ def _run(client, run_id, faults=(), timeout=600):
 
 
 @pytest.fixture(scope="module")
-def clean(client):
-    run, _ = _run(client, "chaos-clean")
-    assert run["state"] == "success"
-    return client.xcom(DAG, "chaos-clean", "evaluate", "metrics")["weights_sha256"]
+def clean(reference):
+    return reference(CONF)
 
 
 def test_process_fault_heals_inside_the_node_without_airflow_retry(client, clean):
@@ -79,12 +77,8 @@ LONG = {**CONF, "steps": 3000, "checkpoint_interval": 250}
 
 
 @pytest.fixture(scope="module")
-def clean_long(client):
-    client.wait_for_dag(DAG, timeout=120)
-    client.unpause(DAG)
-    client.trigger(DAG, LONG, run_id="chaos-clean-long")
-    assert client.wait_run(DAG, "chaos-clean-long", timeout=600)["state"] == "success"
-    return client.xcom(DAG, "chaos-clean-long", "evaluate", "metrics")["weights_sha256"]
+def clean_long(reference):
+    return reference(LONG)
 
 
 def test_scheduler_stop_and_restart_mid_run(client, stack, clean_long, wait_training):
