@@ -43,6 +43,9 @@ from pathlib import Path
 from trainflow.errors import SpecError
 
 _SIGNALS = {"kill_rank": signal.SIGKILL, "stop_rank": signal.SIGSTOP, "cont_rank": signal.SIGCONT}
+_SIGNAL_HELP = {"kill_rank": "SIGKILL this rank's worker (the gang restarts from its newest verified checkpoint)",
+                "stop_rank": "SIGSTOP this rank's worker (a hang: the heartbeat watch replaces its node)",
+                "cont_rank": "SIGCONT a stopped rank"}
 
 
 def _spec(path: str):
@@ -283,21 +286,24 @@ def _policy():
     return CordonPolicy.from_env()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainflow`` parser, every subcommand included (the CLI reference is rendered
+    from it, so it is built without side effects)."""
     parser = argparse.ArgumentParser(prog="trainflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a spec on this machine, without Airflow")
-    p.add_argument("spec")
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("spec", help="the run's spec: a JSON file of TrainingSpec fields")
+    p.add_argument("run_dir", type=Path, help="the run's workspace (created; an existing one resumes)")
     p = sub.add_parser("evaluate", help="evaluate a run's newest verified checkpoint")
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help="the run's workspace")
     p = sub.add_parser("validate", help="validate a spec file")
-    p.add_argument("spec")
+    p.add_argument("spec", help="a JSON file of TrainingSpec fields")
     p = sub.add_parser("chaos", help="inject a fault into a running run on this host")
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help="the running run's workspace")
     g = p.add_mutually_exclusive_group(required=True)
     for action in _SIGNALS:
-        g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK")
+        g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK",
+                       help=_SIGNAL_HELP[action])
     p = sub.add_parser("hosts", help="list host failures and cordons; cordon or uncordon a host")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--uncordon", metavar="HOST")
@@ -342,26 +348,28 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("worker", help="register this host (doctor --register) and run its Celery worker")
     p.add_argument("--queues", required=True, help="queues to serve, e.g. nvidia-gpu or default,cpu")
     p.add_argument("--pool", help="the node pool (default: the chip queue)")
-    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
+                   help="a label of this host, e.g. rack=r1 (repeatable)")
     p.add_argument("--concurrency", type=int, default=1, help="tasks at once (1 per chip host)")
     p.add_argument("--dry-run", action="store_true", help="register and print the worker command; do not start it")
     p = sub.add_parser("pods", help="print the Kubernetes pods of a run (dry run; applies nothing)")
-    p.add_argument("spec")
+    p.add_argument("spec", help="a JSON file of TrainingSpec fields")
     p.add_argument("--node", type=int, help="only this slot")
-    p.add_argument("--dag-id", default="train_digits")
-    p.add_argument("--run-id", default="manual__dry-run")
+    p.add_argument("--dag-id", default="train_digits", help="the DAG the pods' labels name")
+    p.add_argument("--run-id", default="manual__dry-run", help="the run the pods' labels name")
     p = sub.add_parser("helm-values", help="values for the official Airflow Helm chart: one Celery "
                                            "worker set per chip queue (docker/helm/values.yaml)")
     p.add_argument("--family", action="append", help="chip family to give a worker set (repeatable; "
                                                      "default: cpu nvidia ascend cambricon hygon kunlunxin mthreads)")
-    p.add_argument("--image", default="trainflow-airflow")
-    p.add_argument("--tag", default="0.1.0")
+    p.add_argument("--image", default="trainflow-airflow", help="the Airflow image the chart runs")
+    p.add_argument("--tag", default="0.1.0", help="its tag")
     p = sub.add_parser("simulate", help="replay a job trace (CSV) through a scheduling policy on a "
                                         "virtual clock and report utilization, JCT and queueing")
     p.add_argument("--trace", required=True, help="CSV with job_id,submission_time,duration,num_gpu")
     p.add_argument("--capacity", type=int, required=True, metavar="NODES", help="nodes in the pool")
     p.add_argument("--chips", type=int, default=8, help="chips per node (default 8)")
-    p.add_argument("--policy", required=True, choices=["fifo", "backfill", "priority", "fairshare"])
+    p.add_argument("--policy", required=True, choices=["fifo", "backfill", "priority", "fairshare"],
+                   help="the admission policy to replay (docs/scheduler.md)")
     p.add_argument("--limit", type=int, metavar="N", help="only the first N jobs")
     p.add_argument("--tenants", type=int, default=4, help="tenants to hash jobs into (default 4)")
     p.add_argument("--checkpoint-interval", type=float, metavar="S",
@@ -371,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     from trainflow import cli_runs
 
     cli_runs.add_parsers(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainflow import cli_runs
+
+    args = build_parser().parse_args(argv)
     if args.command in cli_runs.COMMANDS:
         return cli_runs.run(args)
     try:

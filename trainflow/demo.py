@@ -47,8 +47,12 @@ def describe(event: dict) -> str | None:
 
 
 def _stack(port: int) -> EmbeddedStack:
-    # The demo rehearses a fault (a killed rank), so its stack allows fault schedules.
-    return EmbeddedStack.from_env(port=port, allow_faults=True)  # TRAINFLOW_PROFILE=embedded|distributed
+    # The demo rehearses a fault (a killed rank), so its stack allows fault schedules; the
+    # checkout's examples/ are allowed programs unless TRAINFLOW_PROGRAM_ROOTS says otherwise.
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    roots = os.environ.get("TRAINFLOW_PROGRAM_ROOTS") or str(examples)
+    return EmbeddedStack.from_env(port=port, allow_faults=True,  # TRAINFLOW_PROFILE=embedded|distributed
+                                  extra_env={"TRAINFLOW_PROGRAM_ROOTS": roots})
 
 
 def progress_line(beats: dict[int, dict], world: int) -> str:

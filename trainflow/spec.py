@@ -200,9 +200,11 @@ class TrainingSpec:
         maxLength=1000))
     faults: tuple = field(default=(), metadata=_meta(
         "Fault schedule", "Faults to inject, to rehearse recovery (refused unless the DAG allows "
-        "it or the deployment sets TRAINFLOW_ALLOW_FAULTS=1): a list of "
-        "{kind: kill_rank|kill_node|stop_rank|corrupt_checkpoint|raise, step, rank}. "
-        "Empty for a normal run.", **FAULT_SCHEMA))
+        "it or the deployment sets TRAINFLOW_ALLOW_FAULTS=1): a list of {kind, step, rank[, seconds]}. "
+        "Kinds: kill_rank, kill_node, lose_node (its capacity leaves the pool for `seconds`, 0: until "
+        "the run releases its nodes), stop_rank, corrupt_checkpoint, crash_rank, slow_rank, fill_disk, "
+        "delay_heartbeats (for `seconds`), allocate (needs memory_limit_mb), raise. Empty for a normal run.",
+        **FAULT_SCHEMA))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", _parse_nodes(self.nodes))

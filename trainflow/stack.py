@@ -1,6 +1,6 @@
 """The embedded stack: Airflow (SQLite + LocalExecutor) with trainflow, on one machine.
 
-It writes an Airflow home (settings tuned for a small machine, DESIGN.md §3), starts
+It writes an Airflow home (settings tuned for a small machine), starts
 api-server, scheduler, dag-processor and triggerer as background processes with pid
 files, waits until they are healthy, and stops them again. Starting twice is harmless:
 live components are kept. It drives the ``airflow`` command and never imports airflow.
@@ -190,7 +190,7 @@ class EmbeddedStack:
                 # the CeleryExecutor, routing node tasks to the hosts trainflow placed them on
                 "AIRFLOW__CORE__EXECUTOR": "executors.placement.PlacementCeleryExecutor",
                 "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
-                # SQLAlchemy 2.1 needs the driver named (DESIGN.md §3).
+                # SQLAlchemy 2.1 needs the driver named.
                 "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url,
                 # Longer than the longest training task, or Redis redelivers a running node task.
                 "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "604800",

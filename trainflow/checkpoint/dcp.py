@@ -682,7 +682,7 @@ class AsyncCheckpointer:
     background thread, which copies it into CPU buffers that the stager caches per storage
     (no allocation after the first save) and then writes: preparing the directory, the DCP
     write over a gloo group of its own (sharing the training group crashed with a
-    collective mismatch, DESIGN.md §2), and on rank 0 the manifest commit and pruning.
+    collective mismatch), and on rank 0 the manifest commit and pruning.
 
     The copy overlaps the next step's forward and backward, which read the parameters but
     do not change them: the loop calls ``before_update()`` before ``optimizer.step()``, and
@@ -766,7 +766,7 @@ class AsyncCheckpointer:
                 if self.on_commit is not None:
                     self.on_commit(ref)
         except BaseException as exc:  # noqa: BLE001 - a failed save must not kill training
-            # BaseException: DCP's CheckpointException is one (DESIGN.md §2).
+            # BaseException: DCP's CheckpointException is one.
             if self.on_error is not None:
                 self.on_error(step, exc)
         finally:

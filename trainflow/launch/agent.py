@@ -55,7 +55,7 @@ def agent_env(plan: dict, node: int, host_env: dict[str, str] | None = None) -> 
         "TRAINFLOW_AGENT_PID": str(os.getpid()),
         "OMP_NUM_THREADS": "1",
         # Fresh worker store each round: the shared one caches stale addresses after
-        # restarts (DESIGN.md §2).
+        # restarts.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
     }

@@ -4,7 +4,7 @@ torch elastic's stock ``c10d`` rendezvous keeps its state in a TCPStore served b
 agent whose address is the endpoint; when that node dies, every other agent loses the
 rendezvous and fails with it, so one node fault costs the whole gang its node tasks.
 Here the state lives in a database every node reaches (in the embedded profile
-``rendezvous.db`` in the run's workspace, SQLite in WAL mode), in two parts, as DESIGN.md §2 measured they must be:
+``rendezvous.db`` in the run's workspace, SQLite in WAL mode), in two parts, as they must be:
 
 - ``DBRendezvousBackend``: torch's ``RendezvousBackend``, the rendezvous state blob
   set by compare-and-set on a version column (the fencing token);

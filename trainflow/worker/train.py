@@ -616,7 +616,7 @@ def run(run_dir: Path) -> int:
         write_json_atomic(run_dir / "control" / COMPLETE, {"step": spec.steps, "time": time.time(),
                                                          "world": world})
     # Free model, optimizer and data before tearing the group down: workers otherwise
-    # hang at exit in a fraction of runs (DESIGN.md §2).
+    # hang at exit in a fraction of runs.
     model = optimizer = workload = None  # (the closures above hold the cells, not the objects)
     dist.barrier()
     dist.destroy_process_group()
