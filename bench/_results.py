@@ -10,15 +10,21 @@ import time
 from pathlib import Path
 
 
-def side_by_side(bench: str, out: Path, baseline: tuple[str, list[float]],
-                 subject: tuple[str, list[float]], **extra) -> dict:
+def side_by_side(
+    bench: str, out: Path, baseline: tuple[str, list[float]], subject: tuple[str, list[float]], **extra
+) -> dict:
     """Write ``out`` with both series, their medians and subject/baseline; print a summary."""
     (b_name, b), (s_name, s) = baseline, subject
     result = {
-        "bench": bench, **extra, f"{b_name}_s": b, f"{s_name}_s": s,
-        f"{b_name}_median_s": statistics.median(b), f"{s_name}_median_s": statistics.median(s),
+        "bench": bench,
+        **extra,
+        f"{b_name}_s": b,
+        f"{s_name}_s": s,
+        f"{b_name}_median_s": statistics.median(b),
+        f"{s_name}_median_s": statistics.median(s),
         "ratio": statistics.median(s) / statistics.median(b),
-        "machine": {"cpus": os.cpu_count()}, "time": time.time(),
+        "machine": {"cpus": os.cpu_count()},
+        "time": time.time(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -63,6 +63,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(REPO))
     from _results import drop_from_page_cache
+
     from trainflow.checkpoint import dcp, manifest
 
     torch.set_num_threads(1)
@@ -165,8 +166,12 @@ def worker(args) -> None:
         total.append(time.perf_counter() - t)
 
     # The stall's floor: copying this rank's share into buffers that already exist.
-    staged = [t for d in dcp._share(dcp._state(model, opt), model, rank, world).values()
-              for t in torch.utils._pytree.tree_leaves(d) if isinstance(t, torch.Tensor)]
+    staged = [
+        t
+        for d in dcp._share(dcp._state(model, opt), model, rank, world).values()
+        for t in torch.utils._pytree.tree_leaves(d)
+        if isinstance(t, torch.Tensor)
+    ]
     buffers = [torch.empty_like(t).copy_(t) for t in staged]  # touched, as the stager's are
     copy_floor = []
     for _ in range(args.rounds):
@@ -240,28 +245,38 @@ def worker(args) -> None:
     ckpt.close()
     if rank == 0:
         med = statistics.median
-        out.update({
-            "state_bytes": state_bytes, "rounds": args.rounds,
-            "sync_stall_s": sync, "sync_prune_s": prune,
-            "async_stall_s": stall, "async_total_s": total, "stage_copy_floor_s": copy_floor,
-            "stall_ratio_async_over_sync": med(stall) / med(sync),
-            "stage_copy_floor_over_sync": med(copy_floor) / med(sync),
-            "raw_write_s": raw_write,
-            "save_throughput_MBps": state_bytes / med(sync) / 1e6,
-            "raw_write_MBps": state_bytes / med(raw_write) / 1e6,
-            "raw_direct_write_s": raw_direct,
-            "raw_direct_write_MBps": state_bytes / med(raw_direct) / 1e6,
-            "load_s": load, "raw_read_s": raw_read, "verify_s": verify,
-            "load_throughput_MBps": state_bytes / med(load) / 1e6,
-            "raw_read_MBps": state_bytes / med(raw_read) / 1e6,
-            "verify_MBps": state_bytes / med(verify) / 1e6,
-            "block_steps": n, "pairs": args.pairs, "block_no_save_s": base, "block_with_save_s": with_ckpt,
-            "steady_overhead": med([c / b for c, b in zip(with_ckpt, base)]) - 1,
-            "steady_overhead_pooled": sum(with_ckpt) / sum(base) - 1,
-        })
+        out.update(
+            {
+                "state_bytes": state_bytes,
+                "rounds": args.rounds,
+                "sync_stall_s": sync,
+                "sync_prune_s": prune,
+                "async_stall_s": stall,
+                "async_total_s": total,
+                "stage_copy_floor_s": copy_floor,
+                "stall_ratio_async_over_sync": med(stall) / med(sync),
+                "stage_copy_floor_over_sync": med(copy_floor) / med(sync),
+                "raw_write_s": raw_write,
+                "save_throughput_MBps": state_bytes / med(sync) / 1e6,
+                "raw_write_MBps": state_bytes / med(raw_write) / 1e6,
+                "raw_direct_write_s": raw_direct,
+                "raw_direct_write_MBps": state_bytes / med(raw_direct) / 1e6,
+                "load_s": load,
+                "raw_read_s": raw_read,
+                "verify_s": verify,
+                "load_throughput_MBps": state_bytes / med(load) / 1e6,
+                "raw_read_MBps": state_bytes / med(raw_read) / 1e6,
+                "verify_MBps": state_bytes / med(verify) / 1e6,
+                "block_steps": n,
+                "pairs": args.pairs,
+                "block_no_save_s": base,
+                "block_with_save_s": with_ckpt,
+                "steady_overhead": med([c / b for c, b in zip(with_ckpt, base)]) - 1,
+                "steady_overhead_pooled": sum(with_ckpt) / sum(base) - 1,
+            }
+        )
         # against the faster of the two raw writes (buffered, O_DIRECT): the physical limit
-        out["save_vs_raw"] = out["save_throughput_MBps"] / max(out["raw_write_MBps"],
-                                                               out["raw_direct_write_MBps"])
+        out["save_vs_raw"] = out["save_throughput_MBps"] / max(out["raw_write_MBps"], out["raw_direct_write_MBps"])
         out["load_vs_raw"] = out["load_throughput_MBps"] / out["raw_read_MBps"]
         Path(args.result).write_text(json.dumps(out, indent=1))
     dist.barrier()
@@ -302,18 +317,51 @@ def main() -> int:
     result = work / "result.json"
     warm_page_cache(work, int(args.params_m * 1e6 * 4 * 3 * 8))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
-                    __file__, "--worker", "--dir", str(work), "--result", str(result),
-                    "--params-m", str(args.params_m), "--rounds", str(args.rounds), "--steps", str(args.steps),
-                    "--pairs", str(args.pairs)],
-                   env=env, check=True)
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            "--worker",
+            "--dir",
+            str(work),
+            "--result",
+            str(result),
+            "--params-m",
+            str(args.params_m),
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            str(args.steps),
+            "--pairs",
+            str(args.pairs),
+        ],
+        env=env,
+        check=True,
+    )
     data = json.loads(result.read_text())
     shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
-    print(json.dumps({k: data[k] for k in ("state_bytes", "stall_ratio_async_over_sync", "async_total_s",
-                                           "stage_copy_floor_over_sync", "steady_overhead", "steady_overhead_pooled",
-                                           "save_vs_raw", "load_vs_raw")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: data[k]
+                for k in (
+                    "state_bytes",
+                    "stall_ratio_async_over_sync",
+                    "async_total_s",
+                    "stage_copy_floor_over_sync",
+                    "steady_overhead",
+                    "steady_overhead_pooled",
+                    "save_vs_raw",
+                    "load_vs_raw",
+                )
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -34,8 +34,14 @@ from trainflow.timeline import read as read_timeline  # noqa: E402
 
 TENANTS = {"a": 13, "b": 4, "c": 4}  # runs per tenant, triggered in this order
 QUOTAS = {"a": 2, "b": 1, "c": 1}
-CONF = {"nodes": 1, "steps": 40, "checkpoint_interval": 20, "batch_size": 16, "heartbeat_interval": 0.5,
-        "admission_timeout": 3600}
+CONF = {
+    "nodes": 1,
+    "steps": 40,
+    "checkpoint_interval": 20,
+    "batch_size": 16,
+    "heartbeat_interval": 0.5,
+    "admission_timeout": 3600,
+}
 DAG_FILE = '''"""Airflow DAGs: one training DAG per tenant (Airflow's safe mode reads files naming both words)."""
 from operators.dag_factory import training_dag
 
@@ -70,9 +76,13 @@ def wave(client, label: str) -> dict:
         first = min(e["time"] for e in read_timeline(run_dir) if e["event"] == "first_step")
         waits[tenant].append(first - t0)
     for tenant, w in waits.items():
-        out["per_tenant"][tenant] = {"runs": TENANTS[tenant], "completed": len(w),
-                                     "p50_s": round(statistics.median(w), 1) if w else None,
-                                     "p95_s": round(pct(w, 0.95), 1) if w else None, "waits_s": [round(x, 1) for x in w]}
+        out["per_tenant"][tenant] = {
+            "runs": TENANTS[tenant],
+            "completed": len(w),
+            "p50_s": round(statistics.median(w), 1) if w else None,
+            "p95_s": round(pct(w, 0.95), 1) if w else None,
+            "waits_s": [round(x, 1) for x in w],
+        }
     every = [x for w in waits.values() for x in w]
     out["all"] = {"p50_s": round(statistics.median(every), 1), "p95_s": round(pct(every, 0.95), 1)}
     return out
@@ -95,9 +105,16 @@ def main() -> int:
     admin = psycopg2.connect("postgresql://postgres@127.0.0.1:5432/postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {meta}")
-    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          dags_folder=work / "dags", node_slots=4, parallelism=12, allow_faults=True,
-                          database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}")
+    stack = EmbeddedStack(
+        home=work / "airflow",
+        trainflow_home=work / "trainflow",
+        port=free_port(),
+        dags_folder=work / "dags",
+        node_slots=4,
+        parallelism=12,
+        allow_faults=True,
+        database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
+    )
     stack.up(timeout=300)
     result: dict = {"bench": "concurrency", "tenants": TENANTS, "quotas": QUOTAS, "conf": CONF, "pool_nodes": 4}
     try:
@@ -108,8 +125,11 @@ def main() -> int:
         t0 = time.time()
         result["fifo"] = wave(client, "fifo")
         result["fifo"]["wall_s"] = round(time.time() - t0, 1)
-        print("fifo", json.dumps({t: (v["p50_s"], v["p95_s"]) for t, v in result["fifo"]["per_tenant"].items()}),
-              flush=True)
+        print(
+            "fifo",
+            json.dumps({t: (v["p50_s"], v["p95_s"]) for t, v in result["fifo"]["per_tenant"].items()}),
+            flush=True,
+        )
         from trainflow.cluster.allocator import Allocator
 
         alloc = Allocator(stack.trainflow_home / "state.db")
@@ -118,8 +138,11 @@ def main() -> int:
         t0 = time.time()
         result["fairshare"] = wave(client, "fair")
         result["fairshare"]["wall_s"] = round(time.time() - t0, 1)
-        print("fairshare", json.dumps({t: (v["p50_s"], v["p95_s"])
-                                       for t, v in result["fairshare"]["per_tenant"].items()}), flush=True)
+        print(
+            "fairshare",
+            json.dumps({t: (v["p50_s"], v["p95_s"]) for t, v in result["fairshare"]["per_tenant"].items()}),
+            flush=True,
+        )
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)

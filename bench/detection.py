@@ -40,8 +40,17 @@ from trainflow.launch.local import prepare, start_agents, stop_agents  # noqa: E
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.workspace import write_json_atomic  # noqa: E402
 
-SPEC = dict(workload="digits", nodes=2, nproc_per_node=1, steps=200_000, batch_size=16,
-            checkpoint_interval=100, seed=1, heartbeat_interval=0.5, heartbeat_timeout=5.0)
+SPEC = dict(
+    workload="digits",
+    nodes=2,
+    nproc_per_node=1,
+    steps=200_000,
+    batch_size=16,
+    checkpoint_interval=100,
+    seed=1,
+    heartbeat_interval=0.5,
+    heartbeat_timeout=5.0,
+)
 _LOG_TIME = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*Worker group FAILED", re.M)
 
 
@@ -63,14 +72,30 @@ def _start(kind: str, spec: TrainingSpec, run_dir: Path) -> tuple[list[subproces
     for sub in ("checkpoints", "heartbeats", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "OMP_NUM_THREADS": "1",
+        "LOGLEVEL": "INFO",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     log = run_dir / "logs" / "torchrun.log"
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone",
-         f"--nproc-per-node={spec.world_size}", "--max-restarts=3",  # torchrun's 0.1 s monitor
-         "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
-        env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={spec.world_size}",
+            "--max-restarts=3",  # torchrun's 0.1 s monitor
+            "-m",
+            "trainflow.worker.train",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env=env,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return [proc], [log]
 
 
@@ -100,8 +125,13 @@ def measure(kind: str, fault: str, spec: TrainingSpec, run_dir: Path, window: fl
                     return min(found) - t_fault
             else:
                 now = time.time()
-                verdict = classify(read_all(run_dir / "heartbeats"), now=now, world_size=spec.world_size,
-                                   started_at=t_fault - 60, policy=policy).verdict
+                verdict = classify(
+                    read_all(run_dir / "heartbeats"),
+                    now=now,
+                    world_size=spec.world_size,
+                    started_at=t_fault - 60,
+                    policy=policy,
+                ).verdict
                 if verdict == Verdict.STALLED:
                     return now - t_fault
             time.sleep(0.5 if fault == "hang" and kind == "trainflow" else 0.05)
@@ -141,8 +171,9 @@ def main() -> int:
     out["time"] = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
-    print(json.dumps({f: {k: v for k, v in out[f].items() if "median" in k or "speedup" in k}
-                      for f in ("crash", "hang")}))
+    print(
+        json.dumps({f: {k: v for k, v in out[f].items() if "median" in k or "speedup" in k} for f in ("crash", "hang")})
+    )
     return 0
 
 

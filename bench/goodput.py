@@ -45,8 +45,16 @@ from trainflow.launch.local import gang  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.timeline import read as read_timeline  # noqa: E402
 
-BASE = dict(workload="digits", nodes=2, nproc_per_node=1, batch_size=16, checkpoint_interval=50, seed=3,
-            crash_loop_limit=100, heartbeat_interval=0.5)
+BASE = dict(
+    workload="digits",
+    nodes=2,
+    nproc_per_node=1,
+    batch_size=16,
+    checkpoint_interval=50,
+    seed=3,
+    crash_loop_limit=100,
+    heartbeat_interval=0.5,
+)
 
 
 def clean_rate(work: Path, seconds: float = 60.0) -> float:
@@ -54,6 +62,7 @@ def clean_rate(work: Path, seconds: float = 60.0) -> float:
     spec = TrainingSpec.from_mapping({**BASE, "steps": 10_000_000})
     run_dir = work / "calibration"
     with gang(spec, run_dir):
+
         def step() -> int:
             return _gang_step(run_dir, spec.world_size)
 
@@ -77,8 +86,9 @@ def _training(run_dir: Path, world: int) -> bool:
         except ProcessLookupError:
             return False
 
-    return len(beats) == world and all(b["state"] == "training" and time.time() - b["time"] < 2
-                                       and alive(int(b["pid"])) for b in beats.values())
+    return len(beats) == world and all(
+        b["state"] == "training" and time.time() - b["time"] < 2 and alive(int(b["pid"])) for b in beats.values()
+    )
 
 
 def _gang_step(run_dir: Path, world: int) -> int:
@@ -136,10 +146,20 @@ def clock_goodput(trace: Trace, steps: int, period: float, settle: float = 10.0)
     pieces = []
     for (t0, t1), r, b in zip(spans, rates, borrowed):
         ds = trace.step_at(t1) - trace.step_at(t0) if t1 != end else steps - trace.step_at(t0)
-        pieces.append({"wall_s": round(t1 - t0, 2), "steps": ds, "steps_per_s": round(r, 1),
-                       "rate_borrowed": b, "clean_s": round(ds / r, 2)})
-    return {"goodput": sum(p["clean_s"] for p in pieces) / (end - start), "wall_s": round(end - start, 1),
-            "pieces": pieces}
+        pieces.append(
+            {
+                "wall_s": round(t1 - t0, 2),
+                "steps": ds,
+                "steps_per_s": round(r, 1),
+                "rate_borrowed": b,
+                "clean_s": round(ds / r, 2),
+            }
+        )
+    return {
+        "goodput": sum(p["clean_s"] for p in pieces) / (end - start),
+        "wall_s": round(end - start, 1),
+        "pieces": pieces,
+    }
 
 
 def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int, Trace]:
@@ -177,8 +197,13 @@ def main() -> int:
     # start-up, checkpoints, the end), for goodput against a clean run's wall time.
     c_codes, c_wall, _, c_trace = _faulty(spec, work / "clean", float("inf"), limit=4 * clean_wall)
     control = clock_goodput(c_trace, steps, args.every)
-    clean_run = {"exit_codes": c_codes, "wall_s": c_wall, "completed": c_codes == [0, 0],
-                 "goodput_clock_local_rate": control["goodput"], "clock_local_rate": control}
+    clean_run = {
+        "exit_codes": c_codes,
+        "wall_s": c_wall,
+        "completed": c_codes == [0, 0],
+        "goodput_clock_local_rate": control["goodput"],
+        "clock_local_rate": control,
+    }
     print(f"clean run: {c_wall:.1f}s; the local-rate method on it (no faults): {control['goodput']:.3f}", flush=True)
 
     run_dir = work / "trainflow"
@@ -187,43 +212,74 @@ def main() -> int:
     events = read_timeline(run_dir)
     first = next(e["time"] for e in events if e["event"] == "gang_start")
     summary = summarize(run_dir, started=first, ended=first + wall, steps=steps)
-    trainflow = {"exit_codes": codes, "wall_s": wall, "faults": faults, "completed": codes == [0, 0],
-                 "goodput_timeline": summary["goodput"], "goodput_clock_local_rate": local["goodput"],
-                 "goodput_clock": clean_wall / wall,
-                 "goodput_vs_clean_run": c_wall / wall if clean_run["completed"] else None,
-                 "recovery_s": summary["recovery_s"], "steps_lost": summary["steps_lost"],
-                 "per_fault": [{k: f.get(k) for k in ("kind", "step", "recovery_s", "steps_lost")}
-                               for f in summary["faults"]],
-                 "clock_local_rate": local}
-    print(json.dumps({k: v for k, v in trainflow.items() if k not in ("per_fault", "clock_local_rate")}),
-          flush=True)
+    trainflow = {
+        "exit_codes": codes,
+        "wall_s": wall,
+        "faults": faults,
+        "completed": codes == [0, 0],
+        "goodput_timeline": summary["goodput"],
+        "goodput_clock_local_rate": local["goodput"],
+        "goodput_clock": clean_wall / wall,
+        "goodput_vs_clean_run": c_wall / wall if clean_run["completed"] else None,
+        "recovery_s": summary["recovery_s"],
+        "steps_lost": summary["steps_lost"],
+        "per_fault": [{k: f.get(k) for k in ("kind", "step", "recovery_s", "steps_lost")} for f in summary["faults"]],
+        "clock_local_rate": local,
+    }
+    print(json.dumps({k: v for k, v in trainflow.items() if k not in ("per_fault", "clock_local_rate")}), flush=True)
 
     attempts = []
     for i in range(args.baseline_attempts):  # no resume: every retry starts from step 0
         a_dir = work / f"baseline-{i}"
         a_codes, a_wall, a_faults, _ = _faulty(spec, a_dir, args.every, limit=args.every + 30)
         reached = max((e["step"] for e in read_timeline(a_dir) if e["event"] == "checkpoint_stall"), default=0)
-        attempts.append({"exit_codes": a_codes, "wall_s": a_wall, "reached_step": reached,
-                         "completed": a_codes == [0, 0] and a_faults == 0})
+        attempts.append(
+            {
+                "exit_codes": a_codes,
+                "wall_s": a_wall,
+                "reached_step": reached,
+                "completed": a_codes == [0, 0] and a_faults == 0,
+            }
+        )
         print(f"baseline attempt {i}: reached step {reached} of {steps} before its fault", flush=True)
         if attempts[-1]["completed"]:
             break
     done = any(a["completed"] for a in attempts)
-    baseline = {"attempts": attempts, "completed": done,
-                "goodput": clean_wall / sum(a["wall_s"] for a in attempts) if done else 0.0,
-                "why": None if done else f"each attempt starts over and is killed after {args.every:g}s; "
-                                         f"the run needs {clean_wall:.0f}s uninterrupted"}
-    result = {"bench": "goodput", "spec": {**BASE, "steps": steps}, "every_s": args.every,
-              "clean_steps_per_s": rate, "clean_wall_s": clean_wall, "clean_run": clean_run, "trainflow": trainflow,
-              "plain_retries": baseline, "machine": {"cpus": os.cpu_count()}, "time": time.time()}
+    baseline = {
+        "attempts": attempts,
+        "completed": done,
+        "goodput": clean_wall / sum(a["wall_s"] for a in attempts) if done else 0.0,
+        "why": None
+        if done
+        else f"each attempt starts over and is killed after {args.every:g}s; "
+        f"the run needs {clean_wall:.0f}s uninterrupted",
+    }
+    result = {
+        "bench": "goodput",
+        "spec": {**BASE, "steps": steps},
+        "every_s": args.every,
+        "clean_steps_per_s": rate,
+        "clean_wall_s": clean_wall,
+        "clean_run": clean_run,
+        "trainflow": trainflow,
+        "plain_retries": baseline,
+        "machine": {"cpus": os.cpu_count()},
+        "time": time.time(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({"trainflow_goodput_timeline": trainflow["goodput_timeline"],
-                      "trainflow_goodput_clock_local_rate": trainflow["goodput_clock_local_rate"],
-                      "control_clean_run_local_rate": clean_run["goodput_clock_local_rate"],
-                      "trainflow_goodput_clock": trainflow["goodput_clock"],
-                      "trainflow_goodput_vs_clean_run": trainflow["goodput_vs_clean_run"],
-                      "plain_retries_goodput": baseline["goodput"]}))
+    print(
+        json.dumps(
+            {
+                "trainflow_goodput_timeline": trainflow["goodput_timeline"],
+                "trainflow_goodput_clock_local_rate": trainflow["goodput_clock_local_rate"],
+                "control_clean_run_local_rate": clean_run["goodput_clock_local_rate"],
+                "trainflow_goodput_clock": trainflow["goodput_clock"],
+                "trainflow_goodput_vs_clean_run": trainflow["goodput_vs_clean_run"],
+                "plain_retries_goodput": baseline["goodput"],
+            }
+        )
+    )
     return 0
 
 

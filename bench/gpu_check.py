@@ -48,12 +48,16 @@ def main() -> int:
     from trainflow.spec import TrainingSpec
     from trainflow.worker.evaluate import evaluate
 
-    base = dict(workload="digits", nodes=1, nproc_per_node=1, steps=args.steps, batch_size=32,
-                checkpoint_interval=50, seed=11)
+    base = dict(
+        workload="digits", nodes=1, nproc_per_node=1, steps=args.steps, batch_size=32, checkpoint_interval=50, seed=11
+    )
     work = Path(tempfile.mkdtemp(prefix="tf-gpu-check-"))
-    result: dict = {"bench": "gpu_check", "doctor": {k: report[k] for k in
-                                                     ("family", "devices", "queue", "evidence")},
-                    "device_list": report["device_list"], "steps": args.steps}
+    result: dict = {
+        "bench": "gpu_check",
+        "doctor": {k: report[k] for k in ("family", "devices", "queue", "evidence")},
+        "device_list": report["device_list"],
+        "steps": args.steps,
+    }
     try:
         for name, extra in (("cpu", {"chip": "cpu"}), ("gpu", {"chip": "nvidia", "precision": "auto"})):
             spec = TrainingSpec.from_mapping({**base, **extra})
@@ -64,8 +68,11 @@ def main() -> int:
                 log = "".join(p.read_text()[-3000:] for p in (work / name / "logs").glob("*.log"))
                 raise SystemExit(f"gpu_check: the {name} run failed ({codes}):\n{log}")
             score = evaluate(work / name)
-            result[name] = {"wall_s": round(wall, 2), "accuracy": score["metrics"].get("accuracy"),
-                            "weights_sha256": score["weights_sha256"]}
+            result[name] = {
+                "wall_s": round(wall, 2),
+                "accuracy": score["metrics"].get("accuracy"),
+                "weights_sha256": score["weights_sha256"],
+            }
         logs = "".join(p.read_text() for p in (work / "gpu" / "logs").glob("*.log"))
         result["gpu"]["backend_seen"] = "cuda:nccl,cpu:gloo" in logs or "nccl" in logs.lower()
         # Interrupt a GPU run after its first checkpoint, resume it, compare the weights.
@@ -86,13 +93,21 @@ def main() -> int:
         killed_at = manifest.newest_verified(work / "resumed" / "checkpoints").step
         assert run_local(spec, work / "resumed") == [0]
         resumed = evaluate(work / "resumed")
-        result["resume"] = {"killed_at_step": killed_at,
-                            "bit_identical": resumed["weights_sha256"] == result["gpu"]["weights_sha256"]}
-        result["ok"] = (result["resume"]["bit_identical"]
-                        and (result["gpu"]["accuracy"] or 0) >= (result["cpu"]["accuracy"] or 0) - 0.03)
+        result["resume"] = {
+            "killed_at_step": killed_at,
+            "bit_identical": resumed["weights_sha256"] == result["gpu"]["weights_sha256"],
+        }
+        result["ok"] = (
+            result["resume"]["bit_identical"]
+            and (result["gpu"]["accuracy"] or 0) >= (result["cpu"]["accuracy"] or 0) - 0.03
+        )
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout.strip()
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
             result["nvidia_smi"] = smi
         except OSError:
             pass

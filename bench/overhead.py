@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from _results import side_by_side  # noqa: E402
+
 from trainflow.launch.local import free_port  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.stack import EmbeddedStack  # noqa: E402
@@ -36,15 +37,31 @@ def run_torchrun(spec: TrainingSpec, work: Path) -> float:
     for sub in ("checkpoints", "heartbeats", "control"):
         (run_dir / sub).mkdir(parents=True)
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).parent / "torchrun")
     t0 = time.perf_counter()
-    subprocess.run([torchrun, "--standalone", f"--nproc-per-node={spec.world_size}", "-m",
-                    "trainflow.worker.train", "--run-dir", str(run_dir)], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run([sys.executable, "-m", "trainflow.worker.evaluate", "--run-dir", str(run_dir)],
-                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={spec.world_size}",
+            "-m",
+            "trainflow.worker.train",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        [sys.executable, "-m", "trainflow.worker.evaluate", "--run-dir", str(run_dir)],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     elapsed = time.perf_counter() - t0
     shutil.rmtree(run_dir)
     return elapsed
@@ -57,10 +74,15 @@ def run_dag(client, dag_id: str, conf: dict, i: int, breakdown: list) -> float:
     elapsed = time.perf_counter() - t0
     if run["state"] != "success":
         raise RuntimeError(f"DAG run {run_id} ended {run['state']}")
-    breakdown.append({f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]:
-                      {"queued_to_start_s": _secs(t.get("queued_when"), t.get("start_date")),
-                       "duration_s": t.get("duration")}
-                      for t in client.task_instances(dag_id, run_id)})
+    breakdown.append(
+        {
+            f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]: {
+                "queued_to_start_s": _secs(t.get("queued_when"), t.get("start_date")),
+                "duration_s": t.get("duration"),
+            }
+            for t in client.task_instances(dag_id, run_id)
+        }
+    )
     return elapsed
 
 
@@ -78,9 +100,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "overhead.json")
     args = parser.parse_args()
-    conf = {"workload": "tinylm", "nodes": 2, "nproc_per_node": 1, "steps": args.steps,
-            "batch_size": 16, "lr": 0.004, "checkpoint_interval": max(1, args.steps // 6),
-            "heartbeat_timeout": 120.0}
+    conf = {
+        "workload": "tinylm",
+        "nodes": 2,
+        "nproc_per_node": 1,
+        "steps": args.steps,
+        "batch_size": 16,
+        "lr": 0.004,
+        "checkpoint_interval": max(1, args.steps // 6),
+        "heartbeat_timeout": 120.0,
+    }
     spec = TrainingSpec.from_mapping(conf)
     work = Path(tempfile.mkdtemp(prefix="tf-bench-"))
     stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port())
@@ -98,8 +127,16 @@ def main() -> int:
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
-    side_by_side("overhead", args.out, ("torchrun", raw), ("dag", dag), spec=conf,
-                 world_size=spec.world_size, rounds=args.rounds, dag_task_breakdown=breakdown)
+    side_by_side(
+        "overhead",
+        args.out,
+        ("torchrun", raw),
+        ("dag", dag),
+        spec=conf,
+        world_size=spec.world_size,
+        rounds=args.rounds,
+        dag_task_breakdown=breakdown,
+    )
     return 0
 
 

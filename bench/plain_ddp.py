@@ -43,8 +43,9 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    workload = load_workload(TrainingSpec(workload=args.workload, nodes=world, steps=args.steps,
-                                          batch_size=args.batch_size))
+    workload = load_workload(
+        TrainingSpec(workload=args.workload, nodes=world, steps=args.steps, batch_size=args.batch_size)
+    )
     model = workload.model
     if args.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -78,9 +79,19 @@ def main() -> int:
     dist.destroy_process_group()
     if rank == 0:
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"side": "plain_ddp", "steps_per_s": (args.steps - args.warmup) / (t_end - t_steady),
-                          "wall_s": t_end - t_start, "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
-                          "loss": final_loss}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "side": "plain_ddp",
+                    "steps_per_s": (args.steps - args.warmup) / (t_end - t_steady),
+                    "wall_s": t_end - t_start,
+                    "user_s": usage.ru_utime,
+                    "sys_s": usage.ru_stime,
+                    "loss": final_loss,
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

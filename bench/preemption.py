@@ -34,10 +34,27 @@ sys.path.insert(0, str(REPO))
 from _results import embedded_stack, side_by_side  # noqa: E402
 
 DAG = "train_digits"
-LOW = {"nodes": 2, "steps": 3000, "checkpoint_interval": 250, "heartbeat_interval": 0.5,
-       "heartbeat_timeout": 8.0, "startup_timeout": 120.0, "tenant": "bench", "seed": 11}
-HIGH = {"nodes": 3, "steps": 60, "checkpoint_interval": 30, "heartbeat_interval": 0.5,
-        "heartbeat_timeout": 8.0, "startup_timeout": 120.0, "priority": 10, "tenant": "bench-hi", "seed": 3}
+LOW = {
+    "nodes": 2,
+    "steps": 3000,
+    "checkpoint_interval": 250,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 8.0,
+    "startup_timeout": 120.0,
+    "tenant": "bench",
+    "seed": 11,
+}
+HIGH = {
+    "nodes": 3,
+    "steps": 60,
+    "checkpoint_interval": 30,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 8.0,
+    "startup_timeout": 120.0,
+    "priority": 10,
+    "tenant": "bench-hi",
+    "seed": 3,
+}
 ARRIVE_AFTER_STEP = 400
 
 
@@ -79,8 +96,10 @@ def round_(client, stamp: str, *, preemptible: bool, clean: str) -> dict:
     _ok(client, high)
     _ok(client, low)
     (first,) = _events(client, high, "first_step")
-    out = {"priority_wait_s": round(first["time"] - arrived, 2),
-           "low_weights_equal_clean": client.xcom(DAG, low, "evaluate", "metrics")["weights_sha256"] == clean}
+    out = {
+        "priority_wait_s": round(first["time"] - arrived, 2),
+        "low_weights_equal_clean": client.xcom(DAG, low, "evaluate", "metrics")["weights_sha256"] == clean,
+    }
     if preemptible:
         ordered = min(e["time"] for e in _events(client, low, "preempt_ordered"))
         (stop,) = _events(client, low, "preempted")
@@ -88,12 +107,15 @@ def round_(client, stamp: str, *, preemptible: bool, clean: str) -> dict:
         readmitted = _events(client, low, "readmitted")
         again = min(e["time"] for e in readmitted)
         resumed = [e for e in _events(client, low, "resumed") if e["time"] >= again]
-        out.update(order_to_stop_s=round(stop["time"] - ordered, 3),
-                   stop_to_nodes_back_s=round(requeued - stop["time"], 3),
-                   queue_wait_s=round(max(e["waited_s"] for e in readmitted), 2),
-                   readmitted_to_training_s=round(resumed[0]["time"] - again, 2),
-                   stopped_at_step=stop["step"], resumed_at_step=resumed[0]["step"],
-                   steps_redone=stop["step"] - resumed[0]["step"])
+        out.update(
+            order_to_stop_s=round(stop["time"] - ordered, 3),
+            stop_to_nodes_back_s=round(requeued - stop["time"], 3),
+            queue_wait_s=round(max(e["waited_s"] for e in readmitted), 2),
+            readmitted_to_training_s=round(resumed[0]["time"] - again, 2),
+            stopped_at_step=stop["step"],
+            resumed_at_step=resumed[0]["step"],
+            steps_redone=stop["step"] - resumed[0]["step"],
+        )
     return out
 
 
@@ -121,12 +143,23 @@ def main() -> int:
                 if mode == "preempt":
                     preempted.append(r)
                 print(f"round {i + 1} {mode}: {r}", flush=True)
-    summary = {k: statistics.median(r[k] for r in preempted)
-               for k in ("order_to_stop_s", "stop_to_nodes_back_s", "queue_wait_s", "readmitted_to_training_s")}
-    side_by_side("preemption", args.out, ("priority_wait_no_preemption", waits["none"]),
-                 ("priority_wait_with_preemption", waits["preempt"]), rounds=args.rounds,
-                 low=LOW, high=HIGH, arrive_after_step=ARRIVE_AFTER_STEP, preempted_runs=preempted,
-                 preempted_medians=summary, steps_redone=[r["steps_redone"] for r in preempted])
+    summary = {
+        k: statistics.median(r[k] for r in preempted)
+        for k in ("order_to_stop_s", "stop_to_nodes_back_s", "queue_wait_s", "readmitted_to_training_s")
+    }
+    side_by_side(
+        "preemption",
+        args.out,
+        ("priority_wait_no_preemption", waits["none"]),
+        ("priority_wait_with_preemption", waits["preempt"]),
+        rounds=args.rounds,
+        low=LOW,
+        high=HIGH,
+        arrive_after_step=ARRIVE_AFTER_STEP,
+        preempted_runs=preempted,
+        preempted_medians=summary,
+        steps_redone=[r["steps_redone"] for r in preempted],
+    )
     print(summary)
     return 0
 

@@ -32,14 +32,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from _results import side_by_side  # noqa: E402
+
 from trainflow import timeline  # noqa: E402
 from trainflow.launch.agent import MONITOR_INTERVAL_S  # noqa: E402
 from trainflow.launch.local import run_local  # noqa: E402
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.workspace import write_json_atomic  # noqa: E402
 
-SPEC = dict(workload="digits", nodes=2, nproc_per_node=1, steps=600, batch_size=16,
-            checkpoint_interval=50, seed=1, faults=[{"kind": "kill_rank", "rank": 1, "step": 300}])
+SPEC = dict(
+    workload="digits",
+    nodes=2,
+    nproc_per_node=1,
+    steps=600,
+    batch_size=16,
+    checkpoint_interval=50,
+    seed=1,
+    faults=[{"kind": "kill_rank", "rank": 1, "step": 300}],
+)
 
 # Consecutive stages of one recovery; each ends at the named moment, the first starts at the kill.
 STAGES = (
@@ -47,8 +56,11 @@ STAGES = (
     ("peer_notice", "the last agent stops its workers (torchrun: same agent, 0)"),
     ("rendezvous", "the new round is complete on every agent"),
     ("spawn", "the last agent has started its workers"),
-    ("worker_init", "rank 0 has its process group, workload and resume point (python, import torch, "
-                    "init_process_group, build, DDP)"),
+    (
+        "worker_init",
+        "rank 0 has its process group, workload and resume point (python, import torch, "
+        "init_process_group, build, DDP)",
+    ),
     ("checkpoint_load", "rank 0 has loaded the checkpoint"),
     ("first_step", "rank 0 has trained its first new step"),
 )
@@ -108,15 +120,32 @@ def run_torchrun(spec: TrainingSpec, run_dir: Path) -> tuple[float, dict[str, fl
     for sub in ("checkpoints", "heartbeats", "logs"):
         (run_dir / sub).mkdir(parents=True)
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "LOGLEVEL": "INFO",
+    }
     log = run_dir / "logs" / "torchrun.log"
     with open(log, "wb") as out:
-        subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone",
-                        f"--nproc-per-node={spec.world_size}", "--max-restarts=3",
-                        f"--monitor-interval={MONITOR_INTERVAL_S}",
-                        "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
-                       env=env, check=True, stdout=out, stderr=subprocess.STDOUT)
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "torchrun"),
+                "--standalone",
+                f"--nproc-per-node={spec.world_size}",
+                "--max-restarts=3",
+                f"--monitor-interval={MONITOR_INTERVAL_S}",
+                "-m",
+                "trainflow.worker.train",
+                "--run-dir",
+                str(run_dir),
+            ],
+            env=env,
+            check=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return recovery_s(run_dir), breakdown(run_dir, [log])
 
 
@@ -150,22 +179,33 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tf-recovery-"))
     raw, ours, raw_stages, our_stages = [], [], [], []
     for i in range(args.rounds):
-        for runner, times, stages, name in ((run_torchrun, raw, raw_stages, "torchrun"),
-                                            (run_trainflow, ours, our_stages, "trainflow")):
+        for runner, times, stages, name in (
+            (run_torchrun, raw, raw_stages, "torchrun"),
+            (run_trainflow, ours, our_stages, "trainflow"),
+        ):
             seconds, parts = runner(spec, work / f"{name}-{i}")
             times.append(seconds)
             stages.append(parts)
-            print(f"round {i}: {name:9s} {seconds:5.2f}s  "
-                  + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
-    side_by_side("recovery", args.out, ("torchrun", raw), ("trainflow", ours), spec=SPEC,
-                 monitor_interval_s=MONITOR_INTERVAL_S,
-                 stages={name: what for name, what in STAGES},
-                 torchrun_stages=raw_stages, trainflow_stages=our_stages,
-                 torchrun_stages_median_s=median_stages(raw_stages),
-                 trainflow_stages_median_s=median_stages(our_stages),
-                 launcher_stages=LAUNCHER_STAGES,
-                 torchrun_launcher_median_s=statistics.median(launcher_s(raw_stages)),
-                 trainflow_launcher_median_s=statistics.median(launcher_s(our_stages)))
+            print(
+                f"round {i}: {name:9s} {seconds:5.2f}s  " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+                flush=True,
+            )
+    side_by_side(
+        "recovery",
+        args.out,
+        ("torchrun", raw),
+        ("trainflow", ours),
+        spec=SPEC,
+        monitor_interval_s=MONITOR_INTERVAL_S,
+        stages={name: what for name, what in STAGES},
+        torchrun_stages=raw_stages,
+        trainflow_stages=our_stages,
+        torchrun_stages_median_s=median_stages(raw_stages),
+        trainflow_stages_median_s=median_stages(our_stages),
+        launcher_stages=LAUNCHER_STAGES,
+        torchrun_launcher_median_s=statistics.median(launcher_s(raw_stages)),
+        trainflow_launcher_median_s=statistics.median(launcher_s(our_stages)),
+    )
     return 0
 
 

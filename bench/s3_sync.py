@@ -39,10 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _results import drop_from_page_cache  # noqa: E402
+
 from trainflow.checkpoint import manifest  # noqa: E402
 from trainflow.checkpoint.s3 import S3Store, TransferSettings, part_checksum  # noqa: E402
 from trainflow.testing.seaweed import SeaweedS3  # noqa: E402
-from _results import drop_from_page_cache  # noqa: E402
 
 
 def make_checkpoint(root: Path, shards: int, shard_mb: int) -> manifest.CheckpointRef:
@@ -52,7 +53,7 @@ def make_checkpoint(root: Path, shards: int, shard_mb: int) -> manifest.Checkpoi
     for r in range(shards):
         with open(src / f"__{r}_0.distcp", "wb") as fh:
             for i in range(shard_mb // 4):
-                fh.write(chunk[i % 7:] + chunk[:i % 7])  # distinct blocks, no dedup by the server
+                fh.write(chunk[i % 7 :] + chunk[: i % 7])  # distinct blocks, no dedup by the server
     (src / ".metadata").write_bytes(os.urandom(40_000))
     return manifest.commit(root, 100, world_size=shards, training_hash="bench")
 
@@ -73,18 +74,27 @@ def settle(seconds: float = 1.0) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--down-rounds", type=int, default=40,
-                        help="timed download pairs (trainflow's, raw), alternating which goes first")
+    parser.add_argument(
+        "--down-rounds",
+        type=int,
+        default=40,
+        help="timed download pairs (trainflow's, raw), alternating which goes first",
+    )
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=64)
-    parser.add_argument("--server-cpu", type=int, default=None,
-                        help="run the S3 server on this CPU and both clients on the others (the "
-                             "server on hardware of its own, as S3 is; default: all share every CPU)")
+    parser.add_argument(
+        "--server-cpu",
+        type=int,
+        default=None,
+        help="run the S3 server on this CPU and both clients on the others (the "
+        "server on hardware of its own, as S3 is; default: all share every CPU)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.out is None:
-        args.out = REPO / "bench" / "results" / ("s3_sync.json" if args.server_cpu is None
-                                                 else "s3_sync_server_cpu.json")
+        args.out = (
+            REPO / "bench" / "results" / ("s3_sync.json" if args.server_cpu is None else "s3_sync_server_cpu.json")
+        )
     work = Path(tempfile.mkdtemp(prefix="tf-s3-bench-", dir=os.environ.get("TRAINFLOW_BENCH_DIR")))
     settings = TransferSettings()
     server_cpus = None
@@ -95,8 +105,9 @@ def main() -> int:
             parser.error(f"--server-cpu {args.server_cpu} leaves no CPU for the clients")
         os.sched_setaffinity(0, client_cpus)  # before any thread starts: they all inherit it
     server = SeaweedS3(work / "s3", cpus=server_cpus).start()
-    series: dict[str, list[float]] = {k: [] for k in ("ours_up", "raw_up", "raw_checked_up", "ours_down", "raw_down",
-                                                      "local_copy")}
+    series: dict[str, list[float]] = {
+        k: [] for k in ("ours_up", "raw_up", "raw_checked_up", "ours_down", "raw_down", "local_copy")
+    }
     try:
         ref = make_checkpoint(work / "local", args.shards, args.shard_mb)
         files = sorted(manifest.read_manifest(Path(ref.path))["files"])
@@ -105,8 +116,10 @@ def main() -> int:
 
         def raw_up(prefix: str, extra_args: dict | None = None) -> None:
             with create_transfer_manager(s3, settings.transfer_config()) as tm:
-                for f in [tm.upload(str(Path(ref.path) / rel), server.bucket, f"{prefix}/{rel}",
-                                    extra_args=extra_args) for rel in files]:
+                for f in [
+                    tm.upload(str(Path(ref.path) / rel), server.bucket, f"{prefix}/{rel}", extra_args=extra_args)
+                    for rel in files
+                ]:
                     f.result()
 
         def raw_down(prefix: str, dest: Path) -> None:
@@ -116,8 +129,9 @@ def main() -> int:
                     f.result()
 
         for i in range(args.rounds):
-            store = S3Store(s3, server.bucket, "bench", tenant="bench", dag_id="bench", run_id=f"ours-{i}",
-                            settings=settings)
+            store = S3Store(
+                s3, server.bucket, "bench", tenant="bench", dag_id="bench", run_id=f"ours-{i}", settings=settings
+            )
             if i == 0:
                 first = store  # its upload is the one the downloads fetch
             order = ("ours", "raw") if i % 2 == 0 else ("raw", "ours")
@@ -141,7 +155,7 @@ def main() -> int:
         raw_down(store._key(100), work / "warm-up")
         shutil.rmtree(work / "warm-up")
         for i in range(args.down_rounds):
-            for who in (("ours", "raw") if i % 2 == 0 else ("raw", "ours")):
+            for who in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
                 dest = work / f"down-{who}-{i}"
                 t0 = time.perf_counter()
                 if who == "ours":
@@ -165,13 +179,20 @@ def main() -> int:
 
         med = {k: statistics.median(v) for k, v in series.items()}
         result = {
-            "bench": "s3_sync", "server": "SeaweedFS weed mini on 127.0.0.1 (data on local disk)",
-            "cpus": ({"server": sorted(server_cpus), "clients": sorted(os.sched_getaffinity(0))}
-                     if server_cpus else f"shared: all {os.cpu_count()}"),
-            "checkpoint_mb": round(mb, 1), "files": len(files), "rounds": args.rounds,
+            "bench": "s3_sync",
+            "server": "SeaweedFS weed mini on 127.0.0.1 (data on local disk)",
+            "cpus": (
+                {"server": sorted(server_cpus), "clients": sorted(os.sched_getaffinity(0))}
+                if server_cpus
+                else f"shared: all {os.cpu_count()}"
+            ),
+            "checkpoint_mb": round(mb, 1),
+            "files": len(files),
+            "rounds": args.rounds,
             "down_rounds": args.down_rounds,
             "transfer": {"multipart_mb": settings.chunk_size / 2**20, "concurrency": settings.concurrency},
-            "seconds": series, "median_s": med,
+            "seconds": series,
+            "median_s": med,
             "mb_per_s": {k: round(mb / v, 1) for k, v in med.items()},
             "upload_vs_raw": round(med["raw_up"] / med["ours_up"], 3),
             "upload_vs_raw_checked": round(med["raw_checked_up"] / med["ours_up"], 3),
@@ -184,13 +205,30 @@ def main() -> int:
             "download_vs_raw_paired": round(statistics.median(paired("down")), 3),
             "upload_vs_local_copy": round(med["local_copy"] / med["ours_up"], 3),
             "download_vs_local_copy": round(med["local_copy"] / med["ours_down"], 3),
-            "machine": {"cpus": os.cpu_count()}, "time": time.time(),
+            "machine": {"cpus": os.cpu_count()},
+            "time": time.time(),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        print(json.dumps({k: result[k] for k in ("checkpoint_mb", "mb_per_s", "upload_vs_raw", "upload_vs_raw_checked", "download_vs_raw",
-                                                 "upload_vs_raw_paired", "download_vs_raw_paired",
-                                                 "upload_vs_local_copy", "download_vs_local_copy")}, indent=1))
+        print(
+            json.dumps(
+                {
+                    k: result[k]
+                    for k in (
+                        "checkpoint_mb",
+                        "mb_per_s",
+                        "upload_vs_raw",
+                        "upload_vs_raw_checked",
+                        "download_vs_raw",
+                        "upload_vs_raw_paired",
+                        "download_vs_raw_paired",
+                        "upload_vs_local_copy",
+                        "download_vs_local_copy",
+                    )
+                },
+                indent=1,
+            )
+        )
         return 0
     finally:
         server.stop()

@@ -46,8 +46,11 @@ def fit(xs: list[float], ys: list[float]) -> dict:
     exponent ``k`` where fixed costs no longer hide it (1: linear); ``exponent_all`` over
     every size."""
     k = _slope(xs[-3:], ys[-3:])
-    return {"exponent": round(k, 3), "exponent_all": round(_slope(xs, ys), 3),
-            "growth": "sublinear" if k < 0.9 else "linear" if k <= 1.15 else "superlinear"}
+    return {
+        "exponent": round(k, 3),
+        "exponent_all": round(_slope(xs, ys), 3),
+        "growth": "sublinear" if k < 0.9 else "linear" if k <= 1.15 else "superlinear",
+    }
 
 
 def _best(fn, rounds: int) -> float:
@@ -60,11 +63,11 @@ def _best(fn, rounds: int) -> float:
 
 
 def bench_sim() -> dict:
+    from dataclasses import replace
+
     from trainflow.sched.model import Pool
     from trainflow.sched.simulate import simulate
     from trainflow.sched.trace import load
-
-    from dataclasses import replace
 
     def shifted(j, tag: str, at: float):
         return replace(j, request=replace(j.request, id=f"{tag}-{j.request.id}", submitted=at))
@@ -87,7 +90,7 @@ def bench_sim() -> dict:
             jobs = list(base[:n])
             while len(jobs) < n:  # past the traces' jobs: the traces again, later
                 shift = max(j.request.submitted for j in jobs) + 1
-                jobs += [shifted(j, f"r{len(jobs)}", j.request.submitted + shift) for j in base[:n - len(jobs)]]
+                jobs += [shifted(j, f"r{len(jobs)}", j.request.submitted + shift) for j in base[: n - len(jobs)]]
             t0 = time.perf_counter()
             simulate(jobs, pool=pool, policy=policy)
             secs.append(time.perf_counter() - t0)
@@ -108,12 +111,23 @@ def bench_admission() -> dict:
             now = time.time()
             alloc.admit("t/d/holder", tenant="t", pool="p", nodes=8, ttl=3600, now=now)  # pool full
             for i in range(n):
-                alloc.request(f"t{i % 3}/d/r{i}", tenant=f"t{i % 3}", pool="p", nodes=1 + i % 4,
-                              ttl=3600, now=now + i * 1e-3)
+                alloc.request(
+                    f"t{i % 3}/d/r{i}", tenant=f"t{i % 3}", pool="p", nodes=1 + i % 4, ttl=3600, now=now + i * 1e-3
+                )
             probe = n // 2  # a run in the middle of the queue renews its wait (what a deferred provision does)
-            out["seconds"].append(_best(lambda: alloc.request(
-                f"t{probe % 3}/d/r{probe}", tenant=f"t{probe % 3}", pool="p", nodes=1 + probe % 4,
-                ttl=3600, now=now + 1), rounds=20))
+            out["seconds"].append(
+                _best(
+                    lambda: alloc.request(
+                        f"t{probe % 3}/d/r{probe}",
+                        tenant=f"t{probe % 3}",
+                        pool="p",
+                        nodes=1 + probe % 4,
+                        ttl=3600,
+                        now=now + 1,
+                    ),
+                    rounds=20,
+                )
+            )
             print(f"admission with {n} queued: {out['seconds'][-1] * 1e3:.2f} ms", flush=True)
     return {**out, **fit(sizes, out["seconds"])}
 
@@ -127,7 +141,8 @@ def bench_heartbeat() -> dict:
         with tempfile.TemporaryDirectory() as d:
             for r in range(n):
                 HeartbeatWriter(Path(d), rank=r, node=r // 8, interval=1, world=n).beat(
-                    step=100, total=1000, state=RankState.TRAINING, loss=0.1)
+                    step=100, total=1000, state=RankState.TRAINING, loss=0.1
+                )
             policy = HeartbeatPolicy(timeout=60, startup_timeout=300)
 
             def poll():
@@ -163,8 +178,9 @@ def bench_checkpoint() -> dict:
                 saves, loads = [], []
                 for step in range(1, 3):
                     t0 = time.perf_counter()
-                    ref = dcp.save(model, opt, root=Path(root), step=step, world_size=1,
-                                   training_hash="scaling", keep_last=1)
+                    ref = dcp.save(
+                        model, opt, root=Path(root), step=step, world_size=1, training_hash="scaling", keep_last=1
+                    )
                     saves.append(time.perf_counter() - t0)
                     dcp.wait_for_prune()
                     t0 = time.perf_counter()
@@ -174,8 +190,11 @@ def bench_checkpoint() -> dict:
                 out["load_s"].append(min(loads))
                 out["bytes"].append(ref.bytes)
             params = sum(p.numel() for p in model.parameters())
-            print(f"checkpoint {params / 1e6:.1f}M params ({ref.bytes / 2**20:.0f} MiB): "
-                  f"save {out['save_s'][-1]:.2f}s load {out['load_s'][-1]:.2f}s", flush=True)
+            print(
+                f"checkpoint {params / 1e6:.1f}M params ({ref.bytes / 2**20:.0f} MiB): "
+                f"save {out['save_s'][-1]:.2f}s load {out['load_s'][-1]:.2f}s",
+                flush=True,
+            )
             del model, opt
     finally:
         dist.destroy_process_group()
@@ -189,8 +208,13 @@ def bench_dag() -> dict:
     sizes = [1, 2, 4, 8]
     out = {"nodes": sizes, "wall_s": [], "train_s": [], "overhead_s": []}
     with tempfile.TemporaryDirectory() as d:
-        stack = EmbeddedStack(home=Path(d) / "airflow", trainflow_home=Path(d) / "trainflow",
-                              port=free_port(), node_slots=8, parallelism=16)
+        stack = EmbeddedStack(
+            home=Path(d) / "airflow",
+            trainflow_home=Path(d) / "trainflow",
+            port=free_port(),
+            node_slots=8,
+            parallelism=16,
+        )
         stack.up(timeout=240)
         try:
             client = stack.client()
@@ -203,13 +227,19 @@ def bench_dag() -> dict:
                 run = client.wait_run("train_digits", run_id, timeout=900)
                 wall = time.time() - t0
                 assert run["state"] == "success", run
-                train = max(float(t["duration"] or 0) for t in client.task_instances("train_digits", run_id)
-                            if t["task_id"] == "shard_train")
+                train = max(
+                    float(t["duration"] or 0)
+                    for t in client.task_instances("train_digits", run_id)
+                    if t["task_id"] == "shard_train"
+                )
                 out["wall_s"].append(wall)
                 out["train_s"].append(train)
                 out["overhead_s"].append(wall - train)
-                print(f"dag {n} node tasks: wall {wall:.1f}s, slowest node task {train:.1f}s, "
-                      f"overhead {wall - train:.1f}s", flush=True)
+                print(
+                    f"dag {n} node tasks: wall {wall:.1f}s, slowest node task {train:.1f}s, "
+                    f"overhead {wall - train:.1f}s",
+                    flush=True,
+                )
         finally:
             stack.stop()
     return {**out, **fit(sizes, out["overhead_s"])}
@@ -224,8 +254,14 @@ def plot(result: dict, path: Path) -> None:
     panels = []
     if "sim" in result:
         r = result["sim"]
-        panels.append(("simulator", "jobs", "s", [(r["sizes"], r[p]["seconds"], f"{p} (k={r[p]['exponent']})")
-                                                  for p in ("fifo", "backfill")]))
+        panels.append(
+            (
+                "simulator",
+                "jobs",
+                "s",
+                [(r["sizes"], r[p]["seconds"], f"{p} (k={r[p]['exponent']})") for p in ("fifo", "backfill")],
+            )
+        )
     if "admission" in result:
         r = result["admission"]
         panels.append(("admission decision", "queued runs", "s", [(r["queued"], r["seconds"], f"k={r['exponent']}")]))
@@ -234,9 +270,17 @@ def plot(result: dict, path: Path) -> None:
         panels.append(("heartbeat poll", "ranks", "s", [(r["ranks"], r["seconds"], f"k={r['exponent']}")]))
     if "checkpoint" in result:
         r = result["checkpoint"]
-        panels.append(("checkpoint", "parameters (M)", "s", [
-            (r["params_m"], r["save_s"], f"save (k={r['save']['exponent']})"),
-            (r["params_m"], r["load_s"], f"load (k={r['load']['exponent']})")]))
+        panels.append(
+            (
+                "checkpoint",
+                "parameters (M)",
+                "s",
+                [
+                    (r["params_m"], r["save_s"], f"save (k={r['save']['exponent']})"),
+                    (r["params_m"], r["load_s"], f"load (k={r['load']['exponent']})"),
+                ],
+            )
+        )
     if "dag" in result:
         r = result["dag"]
         panels.append(("DAG overhead", "node tasks", "s", [(r["nodes"], r["overhead_s"], f"k={r['exponent']}")]))
@@ -255,8 +299,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parts = {"sim": bench_sim, "admission": bench_admission, "heartbeat": bench_heartbeat,
-             "checkpoint": bench_checkpoint, "dag": bench_dag}
+    parts = {
+        "sim": bench_sim,
+        "admission": bench_admission,
+        "heartbeat": bench_heartbeat,
+        "checkpoint": bench_checkpoint,
+        "dag": bench_dag,
+    }
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("parts", nargs="*", choices=[*parts, []], default=list(parts))
     args = p.parse_args(argv)
@@ -267,8 +316,16 @@ def main(argv=None) -> int:
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(result, indent=1))
     plot(result, OUT.with_suffix(".png"))
-    print(json.dumps({k: {kk: v.get(kk) for kk in ("exponent", "growth", "save", "load")}
-                      for k, v in result.items() if isinstance(v, dict) and k != "machine"}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: {kk: v.get(kk) for kk in ("exponent", "growth", "save", "load")}
+                for k, v in result.items()
+                if isinstance(v, dict) and k != "machine"
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

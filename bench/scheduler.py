@@ -62,36 +62,47 @@ def main() -> int:
     scan = {}
     for cap in [int(c) for c in args.scan.split(",") if c]:
         r = simulate(jobs, pool=Pool.uniform(cap, chips=args.chips), policy="fifo")
-        scan[cap] = {"offered_load": round(offered_load(jobs, Pool.uniform(cap, chips=args.chips)), 3),
-                     "fifo_saturated_fraction": round(r.saturated_fraction, 3),
-                     "fifo_saturated_utilization": round(r.saturated_utilization or 0, 4)}
+        scan[cap] = {
+            "offered_load": round(offered_load(jobs, Pool.uniform(cap, chips=args.chips)), 3),
+            "fifo_saturated_fraction": round(r.saturated_fraction, 3),
+            "fifo_saturated_utilization": round(r.saturated_utilization or 0, 4),
+        }
         print(json.dumps({"capacity_nodes": cap, **scan[cap]}))
     reports, walls = {}, {"fifo": [], "backfill": []}
     for i in range(args.rounds):
-        for policy in (("fifo", "backfill") if i % 2 == 0 else ("backfill", "fifo")):
+        for policy in ("fifo", "backfill") if i % 2 == 0 else ("backfill", "fifo"):
             t0 = time.perf_counter()
             reports[policy] = simulate(jobs, pool=pool, policy=policy)
             walls[policy].append(time.perf_counter() - t0)
     fifo, bf = reports["fifo"], reports["backfill"]
     load_factor = offered_load(jobs, pool)
-    png = plot([fifo, bf], args.out.with_suffix(".png"),
-               title=f"ITP cluster04, first {len(jobs)} jobs on {args.capacity} nodes × {args.chips} chips "
-                     f"(offered load {load_factor:.2f})")
+    png = plot(
+        [fifo, bf],
+        args.out.with_suffix(".png"),
+        title=f"ITP cluster04, first {len(jobs)} jobs on {args.capacity} nodes × {args.chips} chips "
+        f"(offered load {load_factor:.2f})",
+    )
     med = {p: statistics.median(w) for p, w in walls.items()}
     result = {
-        "bench": "scheduler", "trace": str(args.trace), "jobs": len(jobs), "capacity_nodes": args.capacity,
-        "chips_per_node": args.chips, "chips": pool.total_chips,
+        "bench": "scheduler",
+        "trace": str(args.trace),
+        "jobs": len(jobs),
+        "capacity_nodes": args.capacity,
+        "chips_per_node": args.chips,
+        "chips": pool.total_chips,
         "why_this_capacity": {
             "offered_load": round(load_factor, 3),
             "fifo_saturated_fraction": round(fifo.saturated_fraction, 3),
             "note": "offered load > 1 over the submission window and FIFO's queue is non-empty "
-                    "most of the simulated span: the pool is saturated under FIFO",
+            "most of the simulated span: the pool is saturated under FIFO",
             "scan": scan,
         },
-        "load_trace_s": round(load_s, 3), "rounds": args.rounds,
+        "load_trace_s": round(load_s, 3),
+        "rounds": args.rounds,
         "wall_s": {p: [round(w, 3) for w in ws] for p, ws in walls.items()},
         "wall_median_s": {p: round(w, 3) for p, w in med.items()},
-        "fifo": fifo.to_dict(series=False), "backfill": bf.to_dict(series=False),
+        "fifo": fifo.to_dict(series=False),
+        "backfill": bf.to_dict(series=False),
         "goals": {
             "backfill_saturated_utilization_ge_95pct": (bf.saturated_utilization or 0) >= 0.95,
             "backfill_mean_jct_below_fifo": bf.jct_mean_s < fifo.jct_mean_s,
@@ -99,15 +110,22 @@ def main() -> int:
             "simulation_under_10s": max(med.values()) < 10,
         },
         "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}, "time": time.time(),
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "time": time.time(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    rows = [("utilization", "utilization", "{:.1%}"), ("saturated_utilization", "while saturated", "{:.1%}"),
-            ("saturated_fraction", "queue non-empty", "{:.1%}"), ("jct_mean_s", "JCT mean (h)", "h"),
-            ("jct_p50_s", "JCT p50 (h)", "h"), ("jct_p95_s", "JCT p95 (h)", "h"),
-            ("queue_delay_mean_s", "queueing mean (h)", "h"), ("queue_max", "most waiting", "{:d}"),
-            ("decisions", "decisions", "{:d}")]
+    rows = [
+        ("utilization", "utilization", "{:.1%}"),
+        ("saturated_utilization", "while saturated", "{:.1%}"),
+        ("saturated_fraction", "queue non-empty", "{:.1%}"),
+        ("jct_mean_s", "JCT mean (h)", "h"),
+        ("jct_p50_s", "JCT p50 (h)", "h"),
+        ("jct_p95_s", "JCT p95 (h)", "h"),
+        ("queue_delay_mean_s", "queueing mean (h)", "h"),
+        ("queue_max", "most waiting", "{:d}"),
+        ("decisions", "decisions", "{:d}"),
+    ]
     print(f"{len(jobs)} jobs, {args.capacity} nodes × {args.chips} chips, offered load {load_factor:.2f}")
     print(f"{'':20}{'fifo':>10}{'backfill':>10}")
     for key, label, fmt in rows:

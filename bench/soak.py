@@ -61,9 +61,18 @@ DAG = "train_digits"
 TENANTS = ("a", "b", "c")
 # retries 4: a run can meet its own fault and the stack's restart (its node tasks die with
 # the executor) in one life.
-CONF = {"nodes": 2, "steps": 400, "checkpoint_interval": 50, "batch_size": 16, "seed": 7,
-        "heartbeat_interval": 0.5, "heartbeat_timeout": 8.0, "startup_timeout": 120.0,
-        "admission_timeout": 3600, "retries": 4}
+CONF = {
+    "nodes": 2,
+    "steps": 400,
+    "checkpoint_interval": 50,
+    "batch_size": 16,
+    "seed": 7,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 8.0,
+    "startup_timeout": 120.0,
+    "admission_timeout": 3600,
+    "retries": 4,
+}
 # After the soak's time, runs still in flight get this long to end; the rest count as failed.
 DRAIN_S = 600.0
 FAULTS = [
@@ -127,7 +136,7 @@ def log_state(logs: Path) -> tuple[float | None, int]:
                     continue
                 oldest = mtime if oldest is None else min(oldest, mtime)
     for log in logs.glob("*.log"):
-        parts = max(parts, sum(1 for p in logs.glob(f"{log.name}.*") if p.name[len(log.name) + 1:].isdigit()))
+        parts = max(parts, sum(1 for p in logs.glob(f"{log.name}.*") if p.name[len(log.name) + 1 :].isdigit()))
     return oldest, parts
 
 
@@ -188,8 +197,9 @@ class Sampler(threading.Thread):
         s["logs_mb"] = round(du(self.stack.home / "logs") / 2**20, 2)
         oldest, s["log_parts"] = log_state(self.stack.home / "logs")
         # Seconds by which the oldest task log predates that cutoff (0: retention holds).
-        s["task_logs_past_cutoff_s"] = (round(max(0.0, cutoff - oldest), 1)
-                                        if cutoff is not None and oldest is not None else 0.0)
+        s["task_logs_past_cutoff_s"] = (
+            round(max(0.0, cutoff - oldest), 1) if cutoff is not None and oldest is not None else 0.0
+        )
         return s
 
     def run(self) -> None:
@@ -218,8 +228,14 @@ def bounded(samples: list[dict], get) -> dict:
     if not q2 or not q4:
         return {"bounded": None}
     a, b, peak = statistics.fmean(q2), statistics.fmean(q4), max(q2)
-    return {"q2_mean": round(a, 2), "q2_max": peak, "q4_mean": round(b, 2), "max": max(v for _, v in pts),
-            "ratio": round(b / peak, 3) if peak else None, "bounded": b <= 1.25 * peak if peak else b == 0}
+    return {
+        "q2_mean": round(a, 2),
+        "q2_max": peak,
+        "q4_mean": round(b, 2),
+        "max": max(v for _, v in pts),
+        "ratio": round(b / peak, 3) if peak else None,
+        "bounded": b <= 1.25 * peak if peak else b == 0,
+    }
 
 
 def logs_bounded(samples: list[dict], log_keep: int) -> dict:
@@ -236,8 +252,13 @@ def logs_bounded(samples: list[dict], log_keep: int) -> dict:
         return {**means, "bounded": None}
     past = max(s["task_logs_past_cutoff_s"] for s in ok)
     parts = max(s["log_parts"] for s in ok)
-    return {**means, "last_quarter_within_1.25": means["bounded"], "task_logs_past_cutoff_s": past,
-            "rotated_parts_max": parts, "bounded": past <= 1.0 and parts <= log_keep}
+    return {
+        **means,
+        "last_quarter_within_1.25": means["bounded"],
+        "task_logs_past_cutoff_s": past,
+        "rotated_parts_max": parts,
+        "bounded": past <= 1.0 and parts <= log_keep,
+    }
 
 
 def plot(samples: list[dict], events: list[dict], path: Path) -> None:
@@ -270,8 +291,16 @@ def plot(samples: list[dict], events: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.0,
-         log_max_bytes: int = 128 * 2**10, log_keep: int = 1, smoke: bool = False, log=print) -> dict:
+def soak(
+    minutes: float,
+    *,
+    retention_every: float = 45.0,
+    retain_s: float = 60.0,
+    log_max_bytes: int = 128 * 2**10,
+    log_keep: int = 1,
+    smoke: bool = False,
+    log=print,
+) -> dict:
     """Run the soak for ``minutes`` and return its result (runs, bounds, events, samples).
     ``smoke``: 200-step runs with the faults scaled to them, samples every 5 s."""
     conf = {**CONF, "steps": SMOKE_STEPS} if smoke else dict(CONF)
@@ -286,19 +315,38 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {meta}")
     meta_url = f"postgresql://postgres@127.0.0.1:5432/{meta}"
-    stack = EmbeddedStack(home=work / "airflow", trainflow_home=work / "trainflow", port=free_port(),
-                          node_slots=4, parallelism=12, allow_faults=True,
-                          database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}")
+    stack = EmbeddedStack(
+        home=work / "airflow",
+        trainflow_home=work / "trainflow",
+        port=free_port(),
+        node_slots=4,
+        parallelism=12,
+        allow_faults=True,
+        database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
+    )
     # The clean reference trains while the stack starts (its weights are compared at the end).
     reference: dict = {}
-    ref_thread = threading.Thread(daemon=True, target=lambda: reference.update(
-        weights=clean_weights({**conf, "tenant": "ref"}, work / "reference")))
+    ref_thread = threading.Thread(
+        daemon=True,
+        target=lambda: reference.update(weights=clean_weights({**conf, "tenant": "ref"}, work / "reference")),
+    )
     ref_thread.start()
     stack.up(timeout=300)
-    result: dict = {"bench": "soak", "smoke": smoke, "minutes": minutes, "conf": conf, "tenants": TENANTS,
-                    "faults": [f[0]["kind"] if f else None for f in FAULTS], "pool_nodes": 4,
-                    "retention": {"every_s": retention_every, "retain_s": retain_s,
-                                  "log_max_bytes": log_max_bytes, "log_keep": log_keep}}
+    result: dict = {
+        "bench": "soak",
+        "smoke": smoke,
+        "minutes": minutes,
+        "conf": conf,
+        "tenants": TENANTS,
+        "faults": [f[0]["kind"] if f else None for f in FAULTS],
+        "pool_nodes": 4,
+        "retention": {
+            "every_s": retention_every,
+            "retain_s": retain_s,
+            "log_max_bytes": log_max_bytes,
+            "log_keep": log_keep,
+        },
+    }
     events: list[dict] = []
     runs: list[dict] = []
     sampler = Sampler(stack, meta_url, every=SMOKE_SAMPLE_S if smoke else SAMPLE_S)
@@ -311,8 +359,9 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
             events.append({"t": time.time() - sampler.t0, "what": "supervisor restart", "components": components})
             log(f"supervisor: restarted {', '.join(components)}")
 
-        thread = threading.Thread(target=stack.supervise, args=(stop,), kwargs={"interval": 2.0,
-                                                                              "on_restart": restarted}, daemon=True)
+        thread = threading.Thread(
+            target=stack.supervise, args=(stop,), kwargs={"interval": 2.0, "on_restart": restarted}, daemon=True
+        )
         thread.start()
         return thread, stop
 
@@ -345,10 +394,12 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
                     if state == "success":
                         metrics = client.xcom(DAG, run["run_id"], "evaluate", "metrics")
                         goodput = client.xcom(DAG, run["run_id"], "evaluate", "goodput") or {}
-                        run.update(weights=metrics["weights_sha256"],
-                                   steps_lost=goodput.get("steps_lost"), goodput=goodput.get("goodput"))
-                    log(f"[{(time.time() - t0) / 60:5.1f} min] {run['run_id']} {state} "
-                        f"fault={run['fault']}")
+                        run.update(
+                            weights=metrics["weights_sha256"],
+                            steps_lost=goodput.get("steps_lost"),
+                            goodput=goodput.get("goodput"),
+                        )
+                    log(f"[{(time.time() - t0) / 60:5.1f} min] {run['run_id']} {state} fault={run['fault']}")
                     del inflight[tenant]
                 if tenant not in inflight and (now < end or n < len(FAULTS)):
                     faults = faults_rotation[n % len(FAULTS)]
@@ -359,8 +410,12 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
                     except Exception as exc:  # noqa: BLE001 - recorded as a failed submission
                         runs.append({"run_id": run_id, "tenant": tenant, "state": f"not submitted: {exc}"})
                         continue
-                    inflight[tenant] = {"run_id": run_id, "tenant": tenant, "started": now - t0,
-                                        "fault": faults[0]["kind"] if faults else None}
+                    inflight[tenant] = {
+                        "run_id": run_id,
+                        "tenant": tenant,
+                        "started": now - t0,
+                        "fault": faults[0]["kind"] if faults else None,
+                    }
                     runs.append(inflight[tenant])
             if not restarted and now >= t0 + minutes * 27:
                 events.append({"t": now - t0, "what": "restart"})
@@ -379,20 +434,42 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
                 signal_tree(pid, signal.SIGKILL)
                 killed = True
             if now >= next_retention:
-                env = {**stack.env(), "TRAINFLOW_RETAIN_WORKSPACE_DAYS": str(retain_s / 86400),
-                       "TRAINFLOW_RETAIN_ABANDONED_DAYS": str(max(1800, retain_s) / 86400),
-                       "TRAINFLOW_RETAIN_LOG_DAYS": str(retain_s / 86400),
-                       "TRAINFLOW_RETAIN_AIRFLOW_DAYS": str(retain_s / 86400),
-                       "TRAINFLOW_LOG_MAX_BYTES": str(log_max_bytes), "TRAINFLOW_LOG_KEEP": str(log_keep)}
-                done = subprocess.run([sys.executable, "-m", "trainflow.cli", "retention", "--airflow-db",
-                                       "--logs", str(stack.home / "logs")],
-                                      env=env, capture_output=True, text=True, timeout=600)
+                env = {
+                    **stack.env(),
+                    "TRAINFLOW_RETAIN_WORKSPACE_DAYS": str(retain_s / 86400),
+                    "TRAINFLOW_RETAIN_ABANDONED_DAYS": str(max(1800, retain_s) / 86400),
+                    "TRAINFLOW_RETAIN_LOG_DAYS": str(retain_s / 86400),
+                    "TRAINFLOW_RETAIN_AIRFLOW_DAYS": str(retain_s / 86400),
+                    "TRAINFLOW_LOG_MAX_BYTES": str(log_max_bytes),
+                    "TRAINFLOW_LOG_KEEP": str(log_keep),
+                }
+                done = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "trainflow.cli",
+                        "retention",
+                        "--airflow-db",
+                        "--logs",
+                        str(stack.home / "logs"),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
                 swept = json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
                 if done.returncode == 0:
                     sampler.log_cutoff = now - retain_s  # the sweep's own clock started later
-                events.append({"t": now - t0, "what": "retention", "exit_code": done.returncode,
-                               "workspaces_removed": (swept.get("workspaces") or {}).get("removed"),
-                               "log_files_removed": (swept.get("logs") or {}).get("files")})
+                events.append(
+                    {
+                        "t": now - t0,
+                        "what": "retention",
+                        "exit_code": done.returncode,
+                        "workspaces_removed": (swept.get("workspaces") or {}).get("removed"),
+                        "log_files_removed": (swept.get("logs") or {}).get("files"),
+                    }
+                )
                 next_retention = now + retention_every
             time.sleep(2)
     finally:
@@ -414,7 +491,8 @@ def soak(minutes: float, *, retention_every: float = 45.0, retain_s: float = 60.
     samples = sampler.samples
     done_runs = [r for r in runs if r.get("state") in ("success", "failed")]
     result["runs"] = {
-        "submitted": len(runs), "succeeded": sum(r["state"] == "success" for r in done_runs),
+        "submitted": len(runs),
+        "succeeded": sum(r["state"] == "success" for r in done_runs),
         "failed": [r["run_id"] for r in runs if r.get("state") != "success"],
         "weights_equal_clean": sum(bool(r.get("weights_ok")) for r in done_runs),
         "faults_survived": sum(1 for r in done_runs if r["fault"] and r["state"] == "success"),
@@ -439,29 +517,58 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--retention-every", type=float, default=45.0, metavar="S")
-    parser.add_argument("--retain", type=float, default=60.0, metavar="S",
-                        help="finished workspaces, task logs and Airflow rows older than this go")
-    parser.add_argument("--log-max-bytes", type=int, default=128 * 2**10,
-                        help="component logs rotate past this (TRAINFLOW_LOG_MAX_BYTES)")
+    parser.add_argument(
+        "--retain",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="finished workspaces, task logs and Airflow rows older than this go",
+    )
+    parser.add_argument(
+        "--log-max-bytes",
+        type=int,
+        default=128 * 2**10,
+        help="component logs rotate past this (TRAINFLOW_LOG_MAX_BYTES)",
+    )
     parser.add_argument("--log-keep", type=int, default=1, help="rotated parts kept (TRAINFLOW_LOG_KEEP)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="result file (default bench/results/soak.json; soak_smoke.json with --smoke)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a short soak (2 minutes of submissions, 200-step runs, retention every 20 s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result file (default bench/results/soak.json; soak_smoke.json with --smoke)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short soak (2 minutes of submissions, 200-step runs, retention every 20 s)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.minutes, args.retention_every = min(args.minutes, 2.0), min(args.retention_every, 20.0)
     out = args.out or REPO / "bench" / "results" / ("soak_smoke.json" if args.smoke else "soak.json")
-    result = soak(args.minutes, retention_every=args.retention_every, retain_s=args.retain,
-                  log_max_bytes=args.log_max_bytes, log_keep=args.log_keep, smoke=args.smoke,
-                  log=lambda line: print(line, flush=True))
+    result = soak(
+        args.minutes,
+        retention_every=args.retention_every,
+        retain_s=args.retain,
+        log_max_bytes=args.log_max_bytes,
+        log_keep=args.log_keep,
+        smoke=args.smoke,
+        log=lambda line: print(line, flush=True),
+    )
     args.out = out
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result["samples"], result["events"], args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result["runs"].items() if k != "per_run"}, indent=1))
-    print(json.dumps({k: (v.get("q2_max"), v.get("q4_mean"), v.get("bounded")) if isinstance(v, dict) else v
-                      for k, v in result["bounds"].items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: (v.get("q2_max"), v.get("q4_mean"), v.get("bounded")) if isinstance(v, dict) else v
+                for k, v in result["bounds"].items()
+            },
+            indent=1,
+        )
+    )
     return 0 if healthy(result) else 1
 
 
@@ -473,9 +580,12 @@ def healthy(result: dict) -> bool:
 
     bounds = result["bounds"]
     series = [bounds["logs_mb"]] if result.get("smoke") else [v for v in bounds.values() if isinstance(v, dict)]
-    return (not runs["failed"] and runs["weights_equal_clean"] == runs["succeeded"]
-            and bounds["history_rows_max"] <= HISTORY_KEEP  # one history scope in the soak
-            and all(v.get("bounded") in (True, None) for v in series))
+    return (
+        not runs["failed"]
+        and runs["weights_equal_clean"] == runs["succeeded"]
+        and bounds["history_rows_max"] <= HISTORY_KEEP  # one history scope in the soak
+        and all(v.get("bounded") in (True, None) for v in series)
+    )
 
 
 if __name__ == "__main__":

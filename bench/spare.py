@@ -26,9 +26,18 @@ sys.path.insert(0, str(REPO))
 from _results import embedded_stack, side_by_side  # noqa: E402
 
 DAG = "train_digits"
-CONF = {"nodes": 2, "steps": 600, "checkpoint_interval": 50, "heartbeat_interval": 0.5,
-        "heartbeat_timeout": 20.0, "startup_timeout": 120.0, "tenant": "bench", "seed": 5,
-        "batch_size": 16, "faults": [{"kind": "kill_node", "rank": 1, "step": 200}]}
+CONF = {
+    "nodes": 2,
+    "steps": 600,
+    "checkpoint_interval": 50,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 20.0,
+    "startup_timeout": 120.0,
+    "tenant": "bench",
+    "seed": 5,
+    "batch_size": 16,
+    "faults": [{"kind": "kill_node", "rank": 1, "step": 200}],
+}
 
 
 def recovery(client, conf: dict, run_id: str) -> float:
@@ -55,8 +64,7 @@ def main() -> int:
             retry.append(recovery(client, CONF, f"bench-retry-{stamp}-{i}"))
             spare.append(recovery(client, {**CONF, "spares": 1}, f"bench-spare-{stamp}-{i}"))
             print(f"round {i + 1}: retry {retry[-1]:.2f}s, spare {spare[-1]:.2f}s", flush=True)
-    side_by_side("spare", args.out, ("airflow_retry", retry), ("hot_spare", spare),
-                 rounds=args.rounds, conf=CONF)
+    side_by_side("spare", args.out, ("airflow_retry", retry), ("hot_spare", spare), rounds=args.rounds, conf=CONF)
     return 0
 
 

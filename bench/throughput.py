@@ -44,8 +44,12 @@ BATCH = 16
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def _torchrun() -> list[str]:
@@ -53,10 +57,28 @@ def _torchrun() -> list[str]:
 
 
 def run_plain(workload: str, strategy: str, steps: int, warmup: int) -> float:
-    out = subprocess.run([*_torchrun(), str(REPO / "bench" / "plain_ddp.py"), "--workload", workload,
-                          "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
-                          "--batch-size", str(BATCH), "--lr", str(LR[workload])],
-                         env=_env(), check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            *_torchrun(),
+            str(REPO / "bench" / "plain_ddp.py"),
+            "--workload",
+            workload,
+            "--strategy",
+            strategy,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--batch-size",
+            str(BATCH),
+            "--lr",
+            str(LR[workload]),
+        ],
+        env=_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     line = next(x for x in out.splitlines() if x.startswith("{"))
     return float(json.loads(line)["steps_per_s"])
 
@@ -71,13 +93,20 @@ def steady_rate(curve: list[dict], warmup: int) -> float:
 
 def spec_for(workload: str, strategy: str, steps: int) -> TrainingSpec:
     # One heartbeat (and curve point) every 0.25 s: enough points to time the steady part.
-    return TrainingSpec(workload=workload, strategy=strategy, nodes=2, steps=steps, batch_size=BATCH,
-                        lr=LR[workload], checkpoint_interval=steps, heartbeat_interval=0.25,
-                        heartbeat_timeout=120.0)
+    return TrainingSpec(
+        workload=workload,
+        strategy=strategy,
+        nodes=2,
+        steps=steps,
+        batch_size=BATCH,
+        lr=LR[workload],
+        checkpoint_interval=steps,
+        heartbeat_interval=0.25,
+        heartbeat_timeout=120.0,
+    )
 
 
-def run_worker(workload: str, strategy: str, steps: int, warmup: int, work: Path,
-               profile: Path | None = None) -> float:
+def run_worker(workload: str, strategy: str, steps: int, warmup: int, work: Path, profile: Path | None = None) -> float:
     from trainflow.timeline import read_lines
 
     run_dir = work / f"worker-{time.time_ns()}"
@@ -85,9 +114,14 @@ def run_worker(workload: str, strategy: str, steps: int, warmup: int, work: Path
     write_json_atomic(run_dir / "spec.json", spec_for(workload, strategy, steps).to_dict())
     env = _env()
     if profile is not None:
-        env["TRAINFLOW_PROFILE"] = str(profile)
-    subprocess.run([*_torchrun(), "-m", "trainflow.worker.train", "--run-dir", str(run_dir)], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env["TRAINFLOW_STEP_PROFILE"] = str(profile)
+    subprocess.run(
+        [*_torchrun(), "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     rate = steady_rate(read_lines(run_dir / "curve.jsonl"), warmup)
     shutil.rmtree(run_dir)
     return rate
@@ -123,9 +157,17 @@ def main() -> int:
     out = args.out or REPO / "bench" / "results" / ("throughput_smoke.json" if args.smoke else "throughput.json")
     work = Path(tempfile.mkdtemp(prefix="tf-throughput-"))
     cases = [(w, s) for w in args.workloads.split(",") for s in args.strategies.split(",")]
-    result: dict = {"bench": "throughput", "smoke": args.smoke, "steps": args.steps, "warmup": args.warmup,
-                    "pairs": args.pairs, "world": 2, "batch_size": BATCH, "machine": {"cpus": os.cpu_count()},
-                    "cases": {}}
+    result: dict = {
+        "bench": "throughput",
+        "smoke": args.smoke,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "pairs": args.pairs,
+        "world": 2,
+        "batch_size": BATCH,
+        "machine": {"cpus": os.cpu_count()},
+        "cases": {},
+    }
     stack_cm = None
     client = None
     try:
@@ -145,16 +187,21 @@ def main() -> int:
                 sides["worker"].append(run_worker(workload, strategy, args.steps, args.warmup, work))
                 if args.dag:
                     sides["dag"].append(run_dag(client, workload, strategy, args.steps, args.warmup, i))
-                print(f"{workload}/{strategy} pair {i}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in sides.items())
-                      + " steps/s", flush=True)
+                print(
+                    f"{workload}/{strategy} pair {i}: "
+                    + ", ".join(f"{k} {v[-1]:.2f}" for k, v in sides.items())
+                    + " steps/s",
+                    flush=True,
+                )
             case = {f"{k}_steps_per_s": v for k, v in sides.items()}
             base = statistics.median(sides["plain"])
             for k in sides:
                 case[f"{k}_median"] = statistics.median(sides[k])
                 if k != "plain":
                     case[f"{k}_ratio"] = round(statistics.median(sides[k]) / base, 3)
-                    case[f"{k}_paired_ratio"] = round(statistics.median(
-                        s / p for s, p in zip(sides[k], sides["plain"])), 3)
+                    case[f"{k}_paired_ratio"] = round(
+                        statistics.median(s / p for s, p in zip(sides[k], sides["plain"])), 3
+                    )
             if args.profile:
                 table = work / f"profile-{workload}-{strategy}.txt"
                 run_worker(workload, strategy, args.steps, args.warmup, work, profile=table)

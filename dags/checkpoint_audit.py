@@ -12,8 +12,9 @@ from operators.dag_factory import checkpoint_asset
 
 with DAG(
     dag_id="checkpoint_audit",
-    schedule=(checkpoint_asset("train_digits") | checkpoint_asset("train_tinylm")
-              | checkpoint_asset("retrain_digits_nightly")),
+    schedule=(
+        checkpoint_asset("train_digits") | checkpoint_asset("train_tinylm") | checkpoint_asset("retrain_digits_nightly")
+    ),
     start_date=datetime(2026, 1, 1),
     catchup=False,
     tags=["trainflow", "assets"],

@@ -2,8 +2,7 @@
 
 from operators.dag_factory import training_dag
 
-DEFAULTS = {"workload": "digits", "nodes": 2, "steps": 300, "batch_size": 32, "lr": 0.003,
-            "checkpoint_interval": 50}
+DEFAULTS = {"workload": "digits", "nodes": 2, "steps": 300, "batch_size": 32, "lr": 0.003, "checkpoint_interval": 50}
 
 dag = training_dag(
     "train_digits",

@@ -2,8 +2,15 @@
 
 from operators.dag_factory import training_dag
 
-DEFAULTS = {"workload": "tinylm", "nodes": 2, "steps": 3000, "batch_size": 16, "lr": 0.004,
-            "checkpoint_interval": 500, "heartbeat_timeout": 120.0}
+DEFAULTS = {
+    "workload": "tinylm",
+    "nodes": 2,
+    "steps": 3000,
+    "batch_size": 16,
+    "lr": 0.004,
+    "checkpoint_interval": 500,
+    "heartbeat_timeout": 120.0,
+}
 
 dag = training_dag(
     "train_tinylm",

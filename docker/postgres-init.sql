@@ -1,4 +1,3 @@
 -- A database of its own for trainflow's state (allocator, host registry, rendezvous), never
--- Airflow's tables. Prepared for the PostgreSQL state backend of the distributed profile,
--- which is not built yet: today that state is SQLite under TRAINFLOW_HOME (README, Scaling out).
+-- Airflow's tables: the distributed profile's TRAINFLOW_STATE_DB (docs/guides/scale-out.md).
 CREATE DATABASE trainflow OWNER airflow;

@@ -64,8 +64,9 @@ def main() -> int:
             step += 1
             if step % args.every == 0 or step == args.steps:
                 model_sd, optim_sd = get_state_dict(ddp, optimizer)
-                dcp.save({"model": model_sd, "optim": optim_sd, "step": step},
-                         checkpoint_id=Path(args.out) / f"ckpt-{step}")
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=Path(args.out) / f"ckpt-{step}"
+                )
             if step == args.steps:
                 break
     dist.barrier()

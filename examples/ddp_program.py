@@ -73,13 +73,16 @@ def main() -> int:
         if sdk.active():
             with sdk.checkpoint(step) as path:  # every rank commits; rank 0 writes the state
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "step": step}, path / "state.pt")
+                    torch.save(
+                        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                        path / "state.pt",
+                    )
         elif rank == 0:
             path = Path(args.out) / f"step-{step:08d}"
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                       path / "state.pt")
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path / "state.pt"
+            )
 
     loss = torch.zeros(())
     while step < args.steps:

@@ -42,7 +42,7 @@ class Bytes(torch.utils.data.Dataset):
         return len(self.data) // CONTEXT - 1
 
     def __getitem__(self, i):
-        x = self.data[i * CONTEXT:(i + 1) * CONTEXT]
+        x = self.data[i * CONTEXT : (i + 1) * CONTEXT]
         return {"input_ids": x, "labels": x}
 
 
@@ -56,10 +56,20 @@ def main() -> int:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2))
     training = TrainingArguments(
-        output_dir=output_dir(args.out), max_steps=args.steps, per_device_train_batch_size=8,
-        learning_rate=3e-3, logging_steps=10, save_strategy="steps", save_steps=args.save_steps,
-        report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0,
-        disable_tqdm=True)
+        output_dir=output_dir(args.out),
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=10,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=training, train_dataset=Bytes(), callbacks=[TrainflowCallback()])
     trainer.train(resume_from_checkpoint=resume_from())
     return 0

@@ -51,16 +51,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--nodes", type=int, default=int(os.environ.get("WORLD_SIZE", "1"))
-                        // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True)
-    trainer = L.Trainer(accelerator="cpu", strategy="ddp", num_nodes=args.nodes, devices=args.devices,
-                        max_steps=args.steps, enable_checkpointing=False, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[TrainflowCheckpoints(every_n_steps=args.every)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        num_nodes=args.nodes,
+        devices=args.devices,
+        max_steps=args.steps,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TrainflowCheckpoints(every_n_steps=args.every)],
+    )
     trainer.fit(Digits(), data(), ckpt_path=ckpt_path())
     return 0
 

@@ -42,8 +42,9 @@ class PlacementCeleryExecutor(CeleryExecutor):
                 from trainflow.cluster.allocator import Allocator
 
                 self._allocator = Allocator()
-            queue = placed_queue(ti.task_id, ti.dag_id, ti.run_id, ti.map_index, ti.try_number, ti.queue,
-                                 self._allocator.route)
+            queue = placed_queue(
+                ti.task_id, ti.dag_id, ti.run_id, ti.map_index, ti.try_number, ti.queue, self._allocator.route
+            )
         except Exception:  # noqa: BLE001 - never lose a task over placement: Celery places it
             self.log.exception("placement of %s failed; it keeps queue %s", ti.key, ti.queue)
             return

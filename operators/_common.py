@@ -40,10 +40,13 @@ def s3_client_from_connection(env=None):
     except AirflowNotFoundException:
         return s3.client()
     extra = conn.extra_dejson or {}
-    return s3.client(endpoint_url=extra.get("endpoint_url") or conn.host or None,
-                     region_name=extra.get("region_name"), aws_access_key_id=conn.login or None,
-                     aws_secret_access_key=conn.password or None,
-                     aws_session_token=extra.get("aws_session_token"))
+    return s3.client(
+        endpoint_url=extra.get("endpoint_url") or conn.host or None,
+        region_name=extra.get("region_name"),
+        aws_access_key_id=conn.login or None,
+        aws_secret_access_key=conn.password or None,
+        aws_session_token=extra.get("aws_session_token"),
+    )
 
 
 def durable_store(plan: dict[str, Any]):
@@ -54,8 +57,13 @@ def durable_store(plan: dict[str, Any]):
     uri = spec.get("store_uri") or ""
     if not uri:
         return None
-    return open_store(uri, spec["tenant"], plan["dag_id"], plan["run_id"],
-                      s3_client=s3_client_from_connection() if uri.startswith("s3://") else None)
+    return open_store(
+        uri,
+        spec["tenant"],
+        plan["dag_id"],
+        plan["run_id"],
+        s3_client=s3_client_from_connection() if uri.startswith("s3://") else None,
+    )
 
 
 def translate(exc: BaseException) -> BaseException:
@@ -74,8 +82,9 @@ class Subprocess:
     of their own), SIGTERM first so the tree can shut down, then SIGKILL.
     """
 
-    def __init__(self, argv: list[str], *, log: "logging.Logger", env: dict[str, str] | None = None,
-                 inherit: bool = True):
+    def __init__(
+        self, argv: list[str], *, log: "logging.Logger", env: dict[str, str] | None = None, inherit: bool = True
+    ):
         self.argv, self.log = argv, log
         self.env = {**(os.environ if inherit else {}), **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -88,8 +97,15 @@ class Subprocess:
         """
         import threading
 
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
 
         def pump() -> None:
             from trainflow.tracebacks import TracebackLevels
@@ -129,8 +145,10 @@ def abort_message(abort: dict) -> str:
     what = "failed in user code" if abort.get("kind") == "user" else "stopped the run"
     from trainflow.remediation import abort_source
 
-    return (f"{abort_source(abort)} {what}, not retried: {abort.get('message')} (to train the run "
-            f"again, clear the whole run: provision sets this record aside)\n{abort.get('traceback', '')}")
+    return (
+        f"{abort_source(abort)} {what}, not retried: {abort.get('message')} (to train the run "
+        f"again, clear the whole run: provision sets this record aside)\n{abort.get('traceback', '')}"
+    )
 
 
 def python() -> str:

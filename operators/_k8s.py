@@ -8,8 +8,9 @@ import os
 from typing import Any, Mapping
 
 
-def pod_operator(pod: Mapping[str, Any], *, task_id: str, startup_timeout_s: int = 300,
-                 env: Mapping[str, str] | None = None):
+def pod_operator(
+    pod: Mapping[str, Any], *, task_id: str, startup_timeout_s: int = 300, env: Mapping[str, str] | None = None
+):
     """A ``KubernetesPodOperator`` that submits exactly ``pod``.
 
     Connection: ``TRAINFLOW_K8S_CONN_ID`` (default ``kubernetes_default``); in a cluster

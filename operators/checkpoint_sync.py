@@ -36,8 +36,11 @@ class CheckpointSyncOperator(BaseOperator):
         run_dir = Path(self.run_dir)
         plan = load_plan(run_dir)
         spec = TrainingSpec.from_mapping(plan["spec"])
-        ref = manifest.newest_verified(run_dir / "checkpoints", training_hash=spec.training_hash(),
-                                       world_size=None if spec.elastic else spec.world_size)
+        ref = manifest.newest_verified(
+            run_dir / "checkpoints",
+            training_hash=spec.training_hash(),
+            world_size=None if spec.elastic else spec.world_size,
+        )
         if ref is None:
             raise AirflowException(f"no verified checkpoint under {run_dir / 'checkpoints'}")
         manifest.prune(run_dir / "checkpoints", spec.keep_last)
@@ -46,16 +49,25 @@ class CheckpointSyncOperator(BaseOperator):
             done = store.publish(ref, spec.keep_last)
             uri = done["uri"]
             if done.get("seconds"):
-                self.log.info("uploaded %d bytes in %.2fs (%.0f MB/s)", done["bytes"], done["seconds"],
-                              done["bytes"] / 1e6 / done["seconds"])
-        pointer = {"step": ref.step, "uri": uri, "path": ref.path,
-                   "manifest_sha256": ref.manifest_sha256, "bytes": ref.bytes,
-                   "world_size": ref.world_size, "verified": True}
+                self.log.info(
+                    "uploaded %d bytes in %.2fs (%.0f MB/s)",
+                    done["bytes"],
+                    done["seconds"],
+                    done["bytes"] / 1e6 / done["seconds"],
+                )
+        pointer = {
+            "step": ref.step,
+            "uri": uri,
+            "path": ref.path,
+            "manifest_sha256": ref.manifest_sha256,
+            "bytes": ref.bytes,
+            "world_size": ref.world_size,
+            "verified": True,
+        }
         self.log.info("checkpoint step %d verified and published: %s", ref.step, pointer["uri"])
         if (store := context.get("task_state_store")) is not None:
             store.set("checkpoint", pointer)
         context["ti"].xcom_push(key="checkpoint", value=pointer)
         for outlet in self.outlets:
-            context["outlet_events"][outlet].extra = {**pointer, "dag_id": plan["dag_id"],
-                                                      "run_id": plan["run_id"]}
+            context["outlet_events"][outlet].extra = {**pointer, "dag_id": plan["dag_id"], "run_id": plan["run_id"]}
         return pointer

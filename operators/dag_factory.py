@@ -22,20 +22,39 @@ def checkpoint_asset(dag_id: str) -> Asset:
 # Node tasks: deterministic failures end the run at once; infrastructure failures
 # (a killed or replaced node, a failed preflight, an agent that gave up) are retried
 # after one second, so the gang is whole again quickly.
-NODE_RETRY_POLICY = ExceptionRetryPolicy(rules=[
-    RetryRule(exception=["trainflow.errors.RunAbortedError", "trainflow.errors.SpecError",
-                         "trainflow.errors.ChipUnavailableError"],
-              action=RetryAction.FAIL, reason="deterministic failure: a retry cannot help"),
-    RetryRule(exception="trainflow.errors.TrainingError", action=RetryAction.RETRY,
-              retry_delay=timedelta(seconds=1), reason="infrastructure failure: replace the node"),
-])
+NODE_RETRY_POLICY = ExceptionRetryPolicy(
+    rules=[
+        RetryRule(
+            exception=[
+                "trainflow.errors.RunAbortedError",
+                "trainflow.errors.SpecError",
+                "trainflow.errors.ChipUnavailableError",
+            ],
+            action=RetryAction.FAIL,
+            reason="deterministic failure: a retry cannot help",
+        ),
+        RetryRule(
+            exception="trainflow.errors.TrainingError",
+            action=RetryAction.RETRY,
+            retry_delay=timedelta(seconds=1),
+            reason="infrastructure failure: replace the node",
+        ),
+    ]
+)
 
 
-def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
-                 schedule: Any = None, description: str | None = None,
-                 tags: list[str] | None = None, max_active_runs: int = 4,
-                 node_pool: str = "embedded", tenants: Sequence[str] | None = None,
-                 allow_faults: bool = False) -> DAG:
+def training_dag(
+    dag_id: str,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    schedule: Any = None,
+    description: str | None = None,
+    tags: list[str] | None = None,
+    max_active_runs: int = 4,
+    node_pool: str = "embedded",
+    tenants: Sequence[str] | None = None,
+    allow_faults: bool = False,
+) -> DAG:
     """Build a training DAG whose trigger form and REST conf are validated by the spec.
 
     Args:
@@ -74,17 +93,25 @@ def training_dag(dag_id: str, *, defaults: Mapping[str, Any] | None = None,
         default_args={"retries": 0},
         render_template_as_native_obj=False,
     ) as dag:
-        provision = ProvisionOperator(task_id="provision", retries=2,
-                                      retry_delay=timedelta(seconds=5), node_pool=node_pool,
-                                      tenants=tenants, allow_faults=allow_faults)
+        provision = ProvisionOperator(
+            task_id="provision",
+            retries=2,
+            retry_delay=timedelta(seconds=5),
+            node_pool=node_pool,
+            tenants=tenants,
+            allow_faults=allow_faults,
+        )
         shards = ShardTrainOperator.partial(
-            task_id="shard_train", queue=spec.queue, retries=10,
-            retry_delay=timedelta(seconds=2), retry_policy=NODE_RETRY_POLICY,
+            task_id="shard_train",
+            queue=spec.queue,
+            retries=10,
+            retry_delay=timedelta(seconds=2),
+            retry_policy=NODE_RETRY_POLICY,
         ).expand_kwargs(provision.output)
         watch = HeartbeatSensor(task_id="heartbeat_watch", retries=0)
-        sync = CheckpointSyncOperator(task_id="checkpoint_sync", retries=2,
-                                      retry_delay=timedelta(seconds=2),
-                                      outlets=[checkpoint_asset(dag_id)])
+        sync = CheckpointSyncOperator(
+            task_id="checkpoint_sync", retries=2, retry_delay=timedelta(seconds=2), outlets=[checkpoint_asset(dag_id)]
+        )
         evaluate = EvaluateOperator(task_id="evaluate", retries=1, retry_delay=timedelta(seconds=2))
         release = ReleaseOperator(task_id="release")
         provision >> [shards, watch]

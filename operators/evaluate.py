@@ -19,9 +19,13 @@ class EvaluateOperator(BaseOperator):
 
     template_fields = ("run_dir", "checkpoint_path")
 
-    def __init__(self, *, run_dir: str = RUN_DIR_TEMPLATE,
-                 checkpoint_path: str = "{{ ti.xcom_pull(task_ids='checkpoint_sync', key='checkpoint')['path'] }}",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: str = RUN_DIR_TEMPLATE,
+        checkpoint_path: str = "{{ ti.xcom_pull(task_ids='checkpoint_sync', key='checkpoint')['path'] }}",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.run_dir = run_dir
         self.checkpoint_path = checkpoint_path
@@ -53,8 +57,12 @@ class EvaluateOperator(BaseOperator):
 
         tenant = load_plan(self.run_dir)["spec"]["tenant"]
         env = {**envtrim.trimmed(), **runas.hand_over(Path(self.run_dir), tenant)}
-        self._proc = Subprocess([python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir",
-                                 self.run_dir, "--checkpoint", path], log=self.log, env=env, inherit=False)
+        self._proc = Subprocess(
+            [python(), "-u", "-m", "trainflow.worker.evaluate", "--run-dir", self.run_dir, "--checkpoint", path],
+            log=self.log,
+            env=env,
+            inherit=False,
+        )
         if (rc := self._proc.run()) != 0:
             from trainflow.worker.evaluate import USER_ERROR_EXIT_CODE
 
@@ -72,17 +80,35 @@ class EvaluateOperator(BaseOperator):
         if built["membership"]:
             context["ti"].xcom_push(key="membership", value=built["membership"])
             for m in built["membership"]:
-                self.log.info("gang %s at step %s: world %s → %s, nodes %s → %s", m["change"], m["step"],
-                              m["world_from"], m["world_to"], m["nodes_from"], m["nodes_to"])
+                self.log.info(
+                    "gang %s at step %s: world %s → %s, nodes %s → %s",
+                    m["change"],
+                    m["step"],
+                    m["world_from"],
+                    m["world_to"],
+                    m["nodes_from"],
+                    m["nodes_to"],
+                )
         if built.get("goodput"):
             context["ti"].xcom_push(key="goodput", value=built["goodput"])
             for f in built["goodput"]["faults"]:
-                self.log.info("fault %s at step %s: detected after %ss, training resumed after %ss "
-                              "from step %s, %s steps lost", f["kind"], f.get("step"), f.get("detection_s"),
-                              f.get("recovery_s"), f.get("resumed_from_step"), f.get("steps_lost"))
+                self.log.info(
+                    "fault %s at step %s: detected after %ss, training resumed after %ss from step %s, %s steps lost",
+                    f["kind"],
+                    f.get("step"),
+                    f.get("detection_s"),
+                    f.get("recovery_s"),
+                    f.get("resumed_from_step"),
+                    f.get("steps_lost"),
+                )
         self.log.info("metrics %s; report %s", json.dumps(result["metrics"]), report)
-        metrics = {**result["metrics"], "step": result["step"], "weights_sha256": result["weights_sha256"],
-                   "target_met": result.get("target", {}).get("met"), "report": str(report)}
+        metrics = {
+            **result["metrics"],
+            "step": result["step"],
+            "weights_sha256": result["weights_sha256"],
+            "target_met": result.get("target", {}).get("met"),
+            "report": str(report),
+        }
         context["ti"].xcom_push(key="metrics", value=metrics)
         return metrics
 

@@ -38,23 +38,32 @@ class RetentionOperator(BaseOperator):
         dry_run = self.dry_run or bool(params.get("dry_run"))
         logs = Path(os.environ["AIRFLOW_HOME"]) / "logs" if os.environ.get("AIRFLOW_HOME") else None
         out = retention.sweep(workspaces=default_root(), logs=logs, policy=policy, dry_run=dry_run)
-        self.log.info("workspaces %s, logs %s, rotated %s, rows %s", out.get("workspaces"),
-                      out.get("logs"), out.get("rotated"), out.get("state"))
+        self.log.info(
+            "workspaces %s, logs %s, rotated %s, rows %s",
+            out.get("workspaces"),
+            out.get("logs"),
+            out.get("rotated"),
+            out.get("state"),
+        )
         try:
             url = Connection.get(METADATA_CONN_ID).extra_dejson.get("sql_alchemy_conn")
         except AirflowNotFoundException:
             url = None
         if not url:
-            self.log.warning("no connection %r with extra sql_alchemy_conn: Airflow's metadata rows "
-                             "are not cleaned here (run `trainflow retention --airflow-db` where the "
-                             "scheduler runs)", METADATA_CONN_ID)
+            self.log.warning(
+                "no connection %r with extra sql_alchemy_conn: Airflow's metadata rows "
+                "are not cleaned here (run `trainflow retention --airflow-db` where the "
+                "scheduler runs)",
+                METADATA_CONN_ID,
+            )
             out["airflow_db_clean"] = None
             return out
         airflow = str(Path(sys.executable).parent / "airflow")
         # Never cut a run still in flight: not this one, not a training run older than the
         # bound (db clean cuts dag runs by their start; clean_airflow_db also asks the database).
-        done = retention.clean_airflow_db(policy, url, airflow=airflow, dry_run=dry_run,
-                                          keep_after=context["dag_run"].start_date.timestamp() - 1)
+        done = retention.clean_airflow_db(
+            policy, url, airflow=airflow, dry_run=dry_run, keep_after=context["dag_run"].start_date.timestamp() - 1
+        )
         self.log.info("%s → exit %d\n%s", " ".join(done["argv"][1:]), done["exit_code"], done["output"])
         if done["exit_code"] != 0:
             raise RuntimeError(f"airflow db clean failed with exit code {done['exit_code']}; see the log")

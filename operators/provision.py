@@ -32,8 +32,15 @@ class ProvisionOperator(BaseOperator):
         otherwise only a deployment with ``TRAINFLOW_ALLOW_FAULTS=1`` does.
     """
 
-    def __init__(self, *, node_pool: str = "embedded", lease_ttl: float = 24 * 3600,
-                 tenants: Sequence[str] | None = None, allow_faults: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        node_pool: str = "embedded",
+        lease_ttl: float = 24 * 3600,
+        tenants: Sequence[str] | None = None,
+        allow_faults: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.node_pool = node_pool
         self.lease_ttl = lease_ttl
@@ -49,11 +56,13 @@ class ProvisionOperator(BaseOperator):
         self.log.info("spec: %s", spec.to_json())
         admission = self._request(spec, run_key)
         if isinstance(admission, Waiting):  # hand the wait to the triggerer
-            self.log.info("waiting for capacity, position %d in the queue: %s", admission.position,
-                          admission.reason)
+            self.log.info("waiting for capacity, position %d in the queue: %s", admission.position, admission.reason)
             context["ti"].xcom_push(key="admission", value=admission.to_dict())
-            self.defer(trigger=AdmissionTrigger(request=self._request_kwargs(spec, run_key)),
-                       method_name="admitted", timeout=timedelta(seconds=float(spec.admission_timeout)))
+            self.defer(
+                trigger=AdmissionTrigger(request=self._request_kwargs(spec, run_key)),
+                method_name="admitted",
+                timeout=timedelta(seconds=float(spec.admission_timeout)),
+            )
         return self._plan(context, spec, ws, run_key, admission)
 
     def admitted(self, context, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -105,12 +114,19 @@ class ProvisionOperator(BaseOperator):
         if memo is not None and memo["run_key"] == run_key:
             return dict(memo)
         estimate = spec.runtime_estimate or Allocator().estimate(history_scope(self.dag_id, spec), spec.steps)
-        self._request_memo = {"run_key": run_key, "tenant": spec.tenant, "pool": self.node_pool,
-                              "nodes": spec.min_nodes + spec.spares, "up_to": spec.max_nodes + spec.spares,
-                              "ttl": self.lease_ttl, "priority": spec.priority,
-                              "preemptible": spec.preemptible, "estimate": estimate,
-                              # a pool of registered hosts places each node on a host of this many chips
-                              "chips": spec.nproc_per_node}
+        self._request_memo = {
+            "run_key": run_key,
+            "tenant": spec.tenant,
+            "pool": self.node_pool,
+            "nodes": spec.min_nodes + spec.spares,
+            "up_to": spec.max_nodes + spec.spares,
+            "ttl": self.lease_ttl,
+            "priority": spec.priority,
+            "preemptible": spec.preemptible,
+            "estimate": estimate,
+            # a pool of registered hosts places each node on a host of this many chips
+            "chips": spec.nproc_per_node,
+        }
         return dict(self._request_memo)
 
     def _request(self, spec, run_key: str):
@@ -136,16 +152,24 @@ class ProvisionOperator(BaseOperator):
 
         dag_id, run_id = self.dag_id, context["run_id"]
         slots = spec.max_nodes + spec.spares
-        self.log.info("admitted %d of %d nodes of pool %r until %.0f%s", lease.nodes, slots, lease.pool,
-                      lease.expires, f" on hosts {', '.join(lease.hosts)}" if lease.hosts else "")
+        self.log.info(
+            "admitted %d of %d nodes of pool %r until %.0f%s",
+            lease.nodes,
+            slots,
+            lease.pool,
+            lease.expires,
+            f" on hosts {', '.join(lease.hosts)}" if lease.hosts else "",
+        )
         ws.create()
         previous = plan_epoch(ws.dir)  # > 0: the run was cleared and is provisioned again
         plan_path = prepare(spec, ws.dir, dag_id=dag_id, run_id=run_id)
         epoch = provisioned(ws.dir, plan_path, previous, now=time.time())
-        SlotLeases.create(ws.dir, run_key, self.node_pool, lease.nodes, Allocator(),
-                          request=self._request_kwargs(spec, run_key))
-        resume = newest_verified(ws.checkpoints, training_hash=spec.training_hash(),
-                                 world_size=None if spec.elastic else spec.world_size)
+        SlotLeases.create(
+            ws.dir, run_key, self.node_pool, lease.nodes, Allocator(), request=self._request_kwargs(spec, run_key)
+        )
+        resume = newest_verified(
+            ws.checkpoints, training_hash=spec.training_hash(), world_size=None if spec.elastic else spec.world_size
+        )
         ti = context["ti"]
         plan = load_plan(ws.dir)
         ti.xcom_push(key="plan", value=plan)
@@ -153,12 +177,20 @@ class ProvisionOperator(BaseOperator):
         ti.xcom_push(key="resume_from", value=resume.to_dict() if resume else None)
         # hosts: node slot i runs on hosts[i] (a pool of registered hosts; the executor routes
         # each node task's try there, executors/placement.py)
-        ti.xcom_push(key="admission", value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes,
-                                             "hosts": list(lease.hosts)})
-        self.log.info("workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s%s",
-                      ws.dir, spec.nodes, spec.spares, spec.nproc_per_node, plan["queue"],
-                      f"step {resume.step}" if resume else "scratch",
-                      f" (provisioned again: epoch {epoch})" if epoch > 1 else "")
+        ti.xcom_push(
+            key="admission",
+            value={"state": "admitted", "pool": lease.pool, "nodes": lease.nodes, "hosts": list(lease.hosts)},
+        )
+        self.log.info(
+            "workspace %s; %s nodes (+%d spares) × %d ranks on queue %s; resume from %s%s",
+            ws.dir,
+            spec.nodes,
+            spec.spares,
+            spec.nproc_per_node,
+            plan["queue"],
+            f"step {resume.step}" if resume else "scratch",
+            f" (provisioned again: epoch {epoch})" if epoch > 1 else "",
+        )
         return [{"node": i, "plan_path": str(Path(plan_path))} for i in range(slots)]
 
 
@@ -180,8 +212,10 @@ class AdmissionTrigger(BaseTrigger):
         self.started = time.time() if started is None else started
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"request": self.request, "poll_interval": self.poll_interval, "started": self.started})
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"request": self.request, "poll_interval": self.poll_interval, "started": self.started},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         import asyncio
@@ -198,11 +232,13 @@ class AdmissionTrigger(BaseTrigger):
                 yield TriggerEvent({"status": "refused", "message": str(exc)})
                 return
             if not isinstance(answer, Waiting):
-                yield TriggerEvent({"status": "admitted", "nodes": answer.nodes,
-                                    "waited_s": time.time() - self.started})
+                yield TriggerEvent(
+                    {"status": "admitted", "nodes": answer.nodes, "waited_s": time.time() - self.started}
+                )
                 return
             if (answer.position, answer.reason) != said:
-                self.log.info("%s waits, position %d in the queue: %s", self.request["run_key"],
-                              answer.position, answer.reason)
+                self.log.info(
+                    "%s waits, position %d in the queue: %s", self.request["run_key"], answer.position, answer.reason
+                )
                 said = (answer.position, answer.reason)
             await asyncio.sleep(self.poll_interval)

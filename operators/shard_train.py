@@ -10,7 +10,7 @@ from operators._common import Subprocess, abort_message, durable_store, load_pla
 
 
 class ShardTrainOperator(BaseOperator):
-    """Run node ``node``'s agent, which launches its torch.distributed workers.
+    r"""Run node ``node``'s agent, which launches its torch.distributed workers.
 
     The agent runs in its own process session; its output (and its workers') streams into
     this task's log; ``on_kill`` tears the whole process tree down. The newest checkpoint
@@ -56,12 +56,23 @@ class ShardTrainOperator(BaseOperator):
 
             from trainflow.remediation import abort
 
-            message = (f"node {node}: retry budget of the run spent (retries={spec['retries']}, this is "
-                       f"try {tries}" + (f", Airflow's {try_number}" if tries != try_number else "") + ")")
+            message = (
+                f"node {node}: retry budget of the run spent (retries={spec['retries']}, this is "
+                f"try {tries}" + (f", Airflow's {try_number}" if tries != try_number else "") + ")"
+            )
             # The gang cannot be whole again: stop the other nodes and the watch now, instead
             # of leaving them waiting for this node until their own timeouts.
-            abort(run_dir, {"rank": None, "node": node, "kind": "retries_exhausted", "type": "RetryBudgetSpent",
-                            "message": message, "time": time.time()})
+            abort(
+                run_dir,
+                {
+                    "rank": None,
+                    "node": node,
+                    "kind": "retries_exhausted",
+                    "type": "RetryBudgetSpent",
+                    "message": message,
+                    "time": time.time(),
+                },
+            )
             raise AirflowFailException(message)
         if store is not None and (prev := store.get("checkpoint")):
             self.log.info("an earlier try of node %d reached checkpoint step %s", node, prev.get("step"))
@@ -113,9 +124,11 @@ class ShardTrainOperator(BaseOperator):
                 return why
             return attempt.replacement_requested()
 
-        self._agent = Subprocess([python(), "-u", "-m", "trainflow.launch.agent",
-                                  "--plan", self.plan_path, "--node", str(node)], log=self.log,
-                                 env={"TRAINFLOW_NODE_TASK_PID": str(os.getpid())})
+        self._agent = Subprocess(
+            [python(), "-u", "-m", "trainflow.launch.agent", "--plan", self.plan_path, "--node", str(node)],
+            log=self.log,
+            env={"TRAINFLOW_NODE_TASK_PID": str(os.getpid())},
+        )
         rc = self._agent.run(poll=poll)
         if uploader is not None:
             uploader.close()
@@ -183,8 +196,11 @@ class ShardTrainOperator(BaseOperator):
                 self.log.debug("gang task states unavailable: %s", exc)
                 return False
             prefix = f"{self.task_id}_"
-            states = {int(k[len(prefix):]): v for k, v in (found.get(context["run_id"]) or {}).items()
-                      if k.startswith(prefix) and k[len(prefix):].isdigit()}
+            states = {
+                int(k[len(prefix) :]): v
+                for k, v in (found.get(context["run_id"]) or {}).items()
+                if k.startswith(prefix) and k[len(prefix) :].isdigit()
+            }
             ended = ended_member(states, me=node)
             if ended is None:
                 return False
@@ -228,8 +244,11 @@ class ShardTrainOperator(BaseOperator):
 
         from operators.provision import AdmissionTrigger
 
-        self.defer(trigger=AdmissionTrigger(request=watch.request), method_name="readmitted",
-                   timeout=timedelta(seconds=float(plan["spec"]["admission_timeout"])))
+        self.defer(
+            trigger=AdmissionTrigger(request=watch.request),
+            method_name="readmitted",
+            timeout=timedelta(seconds=float(plan["spec"]["admission_timeout"])),
+        )
 
     def readmitted(self, context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after a preemption: the run was admitted again; train from the checkpoint
@@ -260,10 +279,17 @@ class ShardTrainOperator(BaseOperator):
 
         cordoned = [h["host"] for h in HostRegistry().hosts(policy=CordonPolicy.from_env()) if h["cordoned"]]
         pod = build_pod(plan, node, try_number=try_number, cordoned=cordoned, plan_path=self.plan_path)
-        self.log.info("node %d: pod %s/%s on %s (%s)", node, pod["metadata"]["namespace"],
-                      pod["metadata"]["name"], plan["queue"], pod["spec"]["containers"][0]["image"])
-        self._pod = pod_operator(pod, task_id=f"{self.task_id}_pod",
-                                 startup_timeout_s=int(plan["spec"]["startup_timeout"]))
+        self.log.info(
+            "node %d: pod %s/%s on %s (%s)",
+            node,
+            pod["metadata"]["namespace"],
+            pod["metadata"]["name"],
+            plan["queue"],
+            pod["spec"]["containers"][0]["image"],
+        )
+        self._pod = pod_operator(
+            pod, task_id=f"{self.task_id}_pod", startup_timeout_s=int(plan["spec"]["startup_timeout"])
+        )
         self._pod.execute(context)
         return {"node": node, "pod": pod["metadata"]["name"], "ranks": [], "step": None}
 
@@ -276,8 +302,9 @@ class ShardTrainOperator(BaseOperator):
         if store is None:
             return
         spec = TrainingSpec.from_mapping(plan["spec"])
-        ref = hydrate(run_dir, store, training_hash=spec.training_hash(),
-                      world_size=None if spec.elastic else spec.world_size)
+        ref = hydrate(
+            run_dir, store, training_hash=spec.training_hash(), world_size=None if spec.elastic else spec.world_size
+        )
         if ref is not None:
             self.log.info("resume point: verified checkpoint step %d (%s)", ref.step, ref.path)
 
@@ -291,9 +318,14 @@ class ShardTrainOperator(BaseOperator):
         if node != 0 or store is None:
             return None
         spec = TrainingSpec.from_mapping(plan["spec"])
-        return BackgroundPublisher(run_dir, store, training_hash=spec.training_hash(),
-                                   world_size=None if spec.elastic else spec.world_size,
-                                   keep_last=spec.keep_last, log=self.log)
+        return BackgroundPublisher(
+            run_dir,
+            store,
+            training_hash=spec.training_hash(),
+            world_size=None if spec.elastic else spec.world_size,
+            keep_last=spec.keep_last,
+            log=self.log,
+        )
 
     def _capacity(self, run_dir, node: int) -> bool:
         """Hold a node of the pool for this slot: True once it does, False if the run

@@ -15,7 +15,6 @@ from typing import Any
 def task_instance_mutation_hook(task_instance: Any, dag_run: Any = None) -> None:
     from trainflow.routing import node_queue
 
-    queue = node_queue(task_instance.task_id, getattr(dag_run, "conf", None),
-                       getattr(task_instance, "queue", None))
+    queue = node_queue(task_instance.task_id, getattr(dag_run, "conf", None), getattr(task_instance, "queue", None))
     if queue is not None:
         task_instance.queue = queue

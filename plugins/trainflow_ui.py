@@ -65,8 +65,13 @@ class SlashRedirect:
             target = root + URL_PREFIX + "/"
             if scope.get("query_string"):
                 target += "?" + scope["query_string"].decode("latin-1")
-            await send({"type": "http.response.start", "status": 308,
-                        "headers": [(b"location", target.encode("latin-1")), (b"content-length", b"0")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 308,
+                    "headers": [(b"location", target.encode("latin-1")), (b"content-length", b"0")],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
         await self.app(scope, receive, send)
@@ -76,14 +81,14 @@ def create_app():
     """The FastAPI app of the training page (API and HTML)."""
     from typing import Annotated
 
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView, DagAccessEntity
+    from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag, requires_access_view
     from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, status
     from fastapi.exception_handlers import http_exception_handler
     from fastapi.responses import HTMLResponse, JSONResponse
     from pydantic import BaseModel, ConfigDict, Field
 
-    from airflow.api_fastapi.app import get_auth_manager
-    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView, DagAccessEntity
-    from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag, requires_access_view
     from trainflow.errors import SpecError
     from trainflow.ui import data
     from trainflow.workspace import DAG_ID_PATTERN, RUN_ID_PATTERN, default_root
@@ -110,11 +115,17 @@ def create_app():
         state: data.RunState = Field(description="pending, running, stalled, completed or failed.")
         state_reason: str
         evaluated: bool = Field(description="metrics.json was written (the evaluate task ran).")
-        goodput: float | None = Field(None, description="Share of the run's wall time so far that went into "
-                                                        "training that was kept (1 − recovery − redone steps).")
-        allocation: dict[str, Any] | None = Field(None, description="pool, held (slots holding a node now), "
-                                                                    "slots (largest gang + spares), released "
-                                                                    "(when the release teardown freed them).")
+        goodput: float | None = Field(
+            None,
+            description="Share of the run's wall time so far that went into "
+            "training that was kept (1 − recovery − redone steps).",
+        )
+        allocation: dict[str, Any] | None = Field(
+            None,
+            description="pool, held (slots holding a node now), "
+            "slots (largest gang + spares), released "
+            "(when the release teardown freed them).",
+        )
         updated: float = Field(description="Unix time of the latest activity.")
 
     class RankHealth(BaseModel):
@@ -154,10 +165,13 @@ def create_app():
         checkpoints: list[CheckpointInfo] = Field(description="Committed checkpoints, newest first.")
         errors: list[dict[str, Any]]
         timeline: list[dict[str, Any]] = Field(description="Events, each with kind fault, recovery or info.")
-        faults: list[dict[str, Any]] = Field(description="Each fault: kind, time, step, detection_s, recovery_s, "
-                                                         "resumed_from_step, steps_lost, membership.")
-        membership: list[dict[str, Any]] = Field(description="Gang changes: change (shrink, grow, spare_used, replaced), "
-                                                             "world_from, world_to, joined, left.")
+        faults: list[dict[str, Any]] = Field(
+            description="Each fault: kind, time, step, detection_s, recovery_s, "
+            "resumed_from_step, steps_lost, membership."
+        )
+        membership: list[dict[str, Any]] = Field(
+            description="Gang changes: change (shrink, grow, spare_used, replaced), world_from, world_to, joined, left."
+        )
         recovery_s: float | None = Field(None, description="Seconds spent recovering from faults.")
         steps_lost: int | None = Field(None, description="Steps trained again after faults.")
         now: float
@@ -168,34 +182,51 @@ def create_app():
     app = FastAPI(
         title="trainflow training page API",
         description="Training runs read from their workspaces. Authenticate like Airflow's REST API: "
-                    "`Authorization: Bearer <JWT from POST /auth/token>` or the Airflow UI session.",
+        "`Authorization: Bearer <JWT from POST /auth/token>` or the Airflow UI session.",
         version="1",
     )
 
     @app.exception_handler(SpecError)
     async def _bad_name(request: Request, exc: SpecError) -> JSONResponse:
         # Names that match the path patterns but would still escape the root (``..``).
-        return JSONResponse(status_code=422, content={"detail": [
-            {"type": "value_error", "loc": ["path", exc.field], "msg": str(exc), "input": exc.value}]})
+        return JSONResponse(
+            status_code=422,
+            content={
+                "detail": [{"type": "value_error", "loc": ["path", exc.field], "msg": str(exc), "input": exc.value}]
+            },
+        )
 
     @app.exception_handler(HTTPException)
     async def _sign_in(request: Request, exc: HTTPException):
         # A browser opening the page without a session still gets Airflow's 401, with a link
         # to the auth manager's login page that brings it back here.
-        if exc.status_code == 401 and request.url.path.endswith("/") and \
-                "text/html" in request.headers.get("accept", ""):
+        if (
+            exc.status_code == 401
+            and request.url.path.endswith("/")
+            and "text/html" in request.headers.get("accept", "")
+        ):
             login = html.escape(get_auth_manager().get_url_login(next_url=str(request.url)))
-            return HTMLResponse(f'<!doctype html><title>Sign in</title><p>{html.escape(str(exc.detail))}: '
-                                f'<a href="{login}">sign in to Airflow</a>, then come back.</p>',
-                                status_code=401, headers=exc.headers)
+            return HTMLResponse(
+                f"<!doctype html><title>Sign in</title><p>{html.escape(str(exc.detail))}: "
+                f'<a href="{login}">sign in to Airflow</a>, then come back.</p>',
+                status_code=401,
+                headers=exc.headers,
+            )
         return await http_exception_handler(request, exc)
 
-    auth_errors = {401: {"model": Message, "description": "No token, or an expired one"},
-                   403: {"model": Message, "description": "Invalid token, or no access to the DAG's runs"}}
+    auth_errors = {
+        401: {"model": Message, "description": "No token, or an expired one"},
+        403: {"model": Message, "description": "Invalid token, or no access to the DAG's runs"},
+    }
     read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 
-    @app.get("/api/runs", response_model=list[RunSummary], responses=auth_errors,
-             dependencies=[read_runs], summary="List training runs")
+    @app.get(
+        "/api/runs",
+        response_model=list[RunSummary],
+        responses=auth_errors,
+        dependencies=[read_runs],
+        summary="List training runs",
+    )
     def runs(
         user: GetUserDep,
         tenant: Annotated[str | None, Query(pattern=TENANT_PATTERN, description="Only this tenant")] = None,
@@ -204,12 +235,17 @@ def create_app():
     ) -> list[dict]:
         rows = data.list_runs(default_root(), tenant=tenant, dag_id=dag_id)
         readable = get_auth_manager().filter_authorized_dag_ids(
-            dag_ids={r["dag_id"] for r in rows}, user=user, method="GET")
+            dag_ids={r["dag_id"] for r in rows}, user=user, method="GET"
+        )
         return [r for r in rows if r["dag_id"] in readable][:limit]
 
-    @app.get("/api/runs/{tenant}/{dag_id}/{run_id}", response_model=RunDetail,
-             responses={**auth_errors, 404: {"model": Message, "description": "No such run"}},
-             dependencies=[read_runs], summary="One training run")
+    @app.get(
+        "/api/runs/{tenant}/{dag_id}/{run_id}",
+        response_model=RunDetail,
+        responses={**auth_errors, 404: {"model": Message, "description": "No such run"}},
+        dependencies=[read_runs],
+        summary="One training run",
+    )
     def run(
         tenant: Annotated[str, Path(pattern=TENANT_PATTERN)],
         dag_id: Annotated[str, Path(pattern=DAG_ID_PATTERN)],
@@ -220,8 +256,13 @@ def create_app():
         except data.RunNotFoundError as exc:
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
 
-    @app.get("/", response_class=HTMLResponse, responses=auth_errors,
-             dependencies=[Depends(requires_access_view(AccessView.WEBSITE))], summary="The training page")
+    @app.get(
+        "/",
+        response_class=HTMLResponse,
+        responses=auth_errors,
+        dependencies=[Depends(requires_access_view(AccessView.WEBSITE))],
+        summary="The training page",
+    )
     def page(request: Request) -> HTMLResponse:
         # The mount prefix (and the api-server's root path) come with the request.
         root = request.scope.get("root_path", "").rstrip("/")
@@ -236,8 +277,12 @@ def render_page(api_base: str, ui_base: str = "") -> str:
     filled in as JS string literals."""
     literal = json.dumps(api_base).replace("<", "\\u003c")
     ui = json.dumps(ui_base).replace("<", "\\u003c")
-    return (PAGE.replace("__API__", literal).replace("__UI__", ui)
-            .replace("__LIVE_MS__", str(LIVE_REFRESH_MS)).replace("__IDLE_MS__", str(IDLE_REFRESH_MS)))
+    return (
+        PAGE.replace("__API__", literal)
+        .replace("__UI__", ui)
+        .replace("__LIVE_MS__", str(LIVE_REFRESH_MS))
+        .replace("__IDLE_MS__", str(IDLE_REFRESH_MS))
+    )
 
 
 class TrainflowUIPlugin(AirflowPlugin):
@@ -248,8 +293,15 @@ class TrainflowUIPlugin(AirflowPlugin):
     fastapi_root_middlewares = [{"middleware": SlashRedirect, "name": "trainflow_slash"}]
     # A top-level button of the UI's navigation; with url_route the UI shows the page in a
     # frame at /plugin/training (same origin: the page's API calls carry the session cookie).
-    external_views = [{"name": "Training", "href": URL_PREFIX + "/", "destination": "nav",
-                       "url_route": "training", "nav_top_level": True}]
+    external_views = [
+        {
+            "name": "Training",
+            "href": URL_PREFIX + "/",
+            "destination": "nav",
+            "url_route": "training",
+            "nav_top_level": True,
+        }
+    ]
 
 
 PAGE = r"""<!doctype html>

@@ -36,9 +36,19 @@ class HeartbeatTrigger(BaseTrigger):
     :param exclude_stragglers: replace a confirmed straggler's node after the next checkpoint.
     """
 
-    def __init__(self, *, run_dir: str, world_size: int, timeout: float, startup_timeout: float,
-                 started_at: float, poll_interval: float = 1.0, max_remediations: int = 0,
-                 straggler_margin: float = 0.5, exclude_stragglers: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: str,
+        world_size: int,
+        timeout: float,
+        startup_timeout: float,
+        started_at: float,
+        poll_interval: float = 1.0,
+        max_remediations: int = 0,
+        straggler_margin: float = 0.5,
+        exclude_stragglers: bool = False,
+    ) -> None:
         super().__init__()
         self.exclude_stragglers = exclude_stragglers
         self.max_remediations = max_remediations
@@ -51,23 +61,36 @@ class HeartbeatTrigger(BaseTrigger):
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "run_dir": self.run_dir, "world_size": self.world_size, "timeout": self.timeout,
-            "startup_timeout": self.startup_timeout, "started_at": self.started_at,
-            "poll_interval": self.poll_interval, "max_remediations": self.max_remediations,
-            "straggler_margin": self.straggler_margin, "exclude_stragglers": self.exclude_stragglers,
-        })
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "run_dir": self.run_dir,
+                "world_size": self.world_size,
+                "timeout": self.timeout,
+                "startup_timeout": self.startup_timeout,
+                "started_at": self.started_at,
+                "poll_interval": self.poll_interval,
+                "max_remediations": self.max_remediations,
+                "straggler_margin": self.straggler_margin,
+                "exclude_stragglers": self.exclude_stragglers,
+            },
+        )
 
     def check(self, beats: dict[int, dict], now: float, node_started: dict[int, float] | None = None):
         from trainflow.heartbeat import HeartbeatPolicy, classify
 
-        return classify(beats, now=now,
-                        world_size=self.world_size, started_at=self.started_at,
-                        policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout),
-                        node_started=node_started)
+        return classify(
+            beats,
+            now=now,
+            world_size=self.world_size,
+            started_at=self.started_at,
+            policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout),
+            node_started=node_started,
+        )
 
-    def watch_stragglers(self, run_dir, beats: dict[int, dict], suspects: dict[int, int],
-                         reported: dict[int, dict]) -> None:
+    def watch_stragglers(
+        self, run_dir, beats: dict[int, dict], suspects: dict[int, int], reported: dict[int, dict]
+    ) -> None:
         """Report a rank flagged as a straggler in 3 consecutive polls (once per rank);
         with ``exclude_stragglers``, replace its node once a newer checkpoint commits."""
         from trainflow.checkpoint.manifest import list_checkpoints
@@ -84,31 +107,43 @@ class HeartbeatTrigger(BaseTrigger):
             suspects[rank] = suspects.get(rank, 0) + 1
             if suspects[rank] >= 3 and rank not in reported:
                 reported[rank] = {**info, "confirmed_at_checkpoint": newest}
-                self.log.warning("straggler: rank %d on node %s computes %.2f ms/step, %.0f%% slower "
-                                 "than the median of its peers (%.2f ms)", rank, info["node"],
-                                 info["compute_ms"], 100 * info["slower_by"], info["median_ms"])
+                self.log.warning(
+                    "straggler: rank %d on node %s computes %.2f ms/step, %.0f%% slower "
+                    "than the median of its peers (%.2f ms)",
+                    rank,
+                    info["node"],
+                    info["compute_ms"],
+                    100 * info["slower_by"],
+                    info["median_ms"],
+                )
                 record(run_dir, "straggler", **info)
         if not self.exclude_stragglers:
             return
         for rank, info in reported.items():
             # Still flagged, for EXCLUDE_POLLS polls in a row, and a newer checkpoint is safe.
-            if not info.get("excluded") and suspects.get(rank, 0) >= EXCLUDE_POLLS \
-                    and newest > info["confirmed_at_checkpoint"]:
+            if (
+                not info.get("excluded")
+                and suspects.get(rank, 0) >= EXCLUDE_POLLS
+                and newest > info["confirmed_at_checkpoint"]
+            ):
                 info["excluded"] = True
                 node = exclude_straggler(run_dir, info, checkpoint_step=newest, now=time.time())
                 # The re-formed gang's startup window opens once the node is gone; until
                 # then its peers still train, so their progress must not count as a stall.
                 self.started_at = time.time() + self.timeout
-                self.log.warning("straggler rank %d: checkpoint %d committed, replacing node %d",
-                                 rank, newest, node)
+                self.log.warning("straggler rank %d: checkpoint %d committed, replacing node %d", rank, newest, node)
 
     def event(self, status: str, verdict: str, message: str, result=None) -> TriggerEvent:
-        return TriggerEvent({
-            "status": status, "verdict": verdict, "message": message,
-            "ranks": list(result.ranks) if result else [],
-            "steps": {str(k): v for k, v in result.steps.items()} if result else {},
-            "run_dir": self.run_dir,
-        })
+        return TriggerEvent(
+            {
+                "status": status,
+                "verdict": verdict,
+                "message": message,
+                "ranks": list(result.ranks) if result else [],
+                "steps": {str(k): v for k, v in result.steps.items()} if result else {},
+                "run_dir": self.run_dir,
+            }
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from pathlib import Path
@@ -146,19 +181,24 @@ class HeartbeatTrigger(BaseTrigger):
             now = time.time()
             result = self.check(beats, now, starts)
             done = await asyncio.to_thread(remediations, run_dir)
-            action = decide(result.verdict, replacements=done, budget=self.max_remediations,
-                            aborted=abort is not None)
+            action = decide(result.verdict, replacements=done, budget=self.max_remediations, aborted=abort is not None)
             if result.verdict != last:
                 self.log.info("heartbeats: %s — %s", result.verdict.value, result.message)
                 last = result.verdict
             if action == Action.FAIL and abort is not None:
-                yield self.event("error", "aborted", f"run aborted by {abort_source(abort)} "
-                                 f"({abort.get('kind')}): {abort.get('message')}")
+                yield self.event(
+                    "error",
+                    "aborted",
+                    f"run aborted by {abort_source(abort)} ({abort.get('kind')}): {abort.get('message')}",
+                )
                 return
             if action == Action.FAIL:
-                yield self.event("error", result.verdict.value,
-                                 f"{result.message}; {done} node replacements already requested "
-                                 f"(budget {self.max_remediations})", result)
+                yield self.event(
+                    "error",
+                    result.verdict.value,
+                    f"{result.message}; {done} node replacements already requested (budget {self.max_remediations})",
+                    result,
+                )
                 return
             if action == Action.SUCCEED:
                 yield self.event("success", result.verdict.value, result.message, result)
@@ -185,8 +225,7 @@ class HeartbeatSensor(BaseSensorOperator):
 
     template_fields = ("run_dir",)
 
-    def __init__(self, *, run_dir: str = RUN_DIR_TEMPLATE, poll_interval: float = 1.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, run_dir: str = RUN_DIR_TEMPLATE, poll_interval: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run_dir = run_dir
         self.poll_interval = poll_interval
@@ -198,12 +237,16 @@ class HeartbeatSensor(BaseSensorOperator):
         spec = plan["spec"]
         self.defer(
             trigger=HeartbeatTrigger(
-                run_dir=self.run_dir, world_size=plan["world_size"],
-                timeout=spec["heartbeat_timeout"], startup_timeout=spec["startup_timeout"],
-                started_at=time.time(), poll_interval=self.poll_interval,
+                run_dir=self.run_dir,
+                world_size=plan["world_size"],
+                timeout=spec["heartbeat_timeout"],
+                startup_timeout=spec["startup_timeout"],
+                started_at=time.time(),
+                poll_interval=self.poll_interval,
                 max_remediations=spec["retries"] * len(plan["nodes"]),
                 straggler_margin=spec["straggler_margin"],
-                exclude_stragglers=spec.get("exclude_stragglers", False)),
+                exclude_stragglers=spec.get("exclude_stragglers", False),
+            ),
             method_name="execute_complete",
         )
 
@@ -217,6 +260,7 @@ class HeartbeatSensor(BaseSensorOperator):
 
         from trainflow.timeline import read
 
-        stragglers = [{k: v for k, v in e.items() if k != "event"}
-                      for e in read(Path(self.run_dir)) if e["event"] == "straggler"]
+        stragglers = [
+            {k: v for k, v in e.items() if k != "event"} for e in read(Path(self.run_dir)) if e["event"] == "straggler"
+        ]
         return {"verdict": event["verdict"], "steps": event["steps"], "stragglers": stragglers}

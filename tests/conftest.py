@@ -47,10 +47,18 @@ def _tier_of(item) -> str:
 # shared stack can stop once they are done), and within each group the longest files first
 # so that neither worker is left with a long one at the end (the tinylm run of
 # test_resume.py once trained alone for six minutes while the other worker idled).
-LONGEST_FIRST = ("e2e/test_chaos.py", "e2e/test_distributed_stack.py", "e2e/test_programs.py",
-                 "e2e/test_elastic_gangs.py", "e2e/test_soak.py", "integration/test_resume.py",
-                 "e2e/test_embedded_stack.py", "integration/test_faults.py", "integration/test_program.py",
-                 "integration/test_elastic.py")
+LONGEST_FIRST = (
+    "e2e/test_chaos.py",
+    "e2e/test_distributed_stack.py",
+    "e2e/test_programs.py",
+    "e2e/test_elastic_gangs.py",
+    "e2e/test_soak.py",
+    "integration/test_resume.py",
+    "e2e/test_embedded_stack.py",
+    "integration/test_faults.py",
+    "integration/test_program.py",
+    "integration/test_elastic.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -102,7 +110,8 @@ _STACK_LOG_ENV = "TRAINFLOW_TEST_STACK_STARTS"
 
 
 _TOTALS: dict[str, dict[str, float]] = defaultdict(
-    lambda: {"tests": 0, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0})
+    lambda: {"tests": 0, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
+)
 _T0 = time.monotonic()
 
 
@@ -149,8 +158,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for tier in TIERS:
         t = _TOTALS.get(tier)
         if t and t["tests"]:
-            tr.write_line(f"{tier:12s} {t['tests']:5d} tests  {t['passed']:5d} passed  {t['failed']:3d} failed  "
-                          f"{t['skipped']:3d} skipped  {t['seconds'] / 60:6.1f} min of test time")
+            tr.write_line(
+                f"{tier:12s} {t['tests']:5d} tests  {t['passed']:5d} passed  {t['failed']:3d} failed  "
+                f"{t['skipped']:3d} skipped  {t['seconds'] / 60:6.1f} min of test time"
+            )
     path = Path(os.environ.get(_STACK_LOG_ENV, ""))
     starts = len(path.read_text().splitlines()) if path.is_file() else 0
     tr.write_line(f"Airflow stack starts: {starts}; wall {(time.monotonic() - _T0) / 60:.1f} min")

@@ -28,8 +28,14 @@ def test_no_import_errors(dagbag):
 def test_training_dag_shape(dagbag, dag_id):
     dag = dagbag.dags[dag_id]
     assert "trainflow" in dag.tags
-    assert set(dag.task_ids) == {"provision", "shard_train", "heartbeat_watch", "checkpoint_sync",
-                                 "evaluate", "release"}
+    assert set(dag.task_ids) == {
+        "provision",
+        "shard_train",
+        "heartbeat_watch",
+        "checkpoint_sync",
+        "evaluate",
+        "release",
+    }
     t = dag.task_dict
     assert t["shard_train"].retries >= 1 and t["provision"].retries >= 1
     assert t["shard_train"].upstream_task_ids == {"provision"}
@@ -79,8 +85,17 @@ def test_trigger_form_rejects_bad_values(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
     params = dagbag.dags["train_digits"].params
-    for key, bad in [("nodes", 0), ("nodes", "0"), ("nodes", "0:2"), ("nodes", "2-4"), ("nodes", "2\n3"),
-                     ("chip", "tpu"), ("lr", 0), ("tenant", "../x"), ("steps", -1)]:
+    for key, bad in [
+        ("nodes", 0),
+        ("nodes", "0"),
+        ("nodes", "0:2"),
+        ("nodes", "2-4"),
+        ("nodes", "2\n3"),
+        ("chip", "tpu"),
+        ("lr", 0),
+        ("tenant", "../x"),
+        ("steps", -1),
+    ]:
         p = params.get_param(key)
         with pytest.raises(ParamValidationError):
             p.resolve(bad)
@@ -89,8 +104,9 @@ def test_trigger_form_rejects_bad_values(dagbag):
 def test_heartbeat_trigger_serialization_round_trip():
     from sensors.heartbeat import HeartbeatTrigger
 
-    trig = HeartbeatTrigger(run_dir="/x", world_size=4, timeout=9.0, startup_timeout=60.0,
-                            started_at=123.0, poll_interval=0.5)
+    trig = HeartbeatTrigger(
+        run_dir="/x", world_size=4, timeout=9.0, startup_timeout=60.0, started_at=123.0, poll_interval=0.5
+    )
     path, kwargs = trig.serialize()
     assert path == "sensors.heartbeat.HeartbeatTrigger"
     assert HeartbeatTrigger(**kwargs).serialize() == (path, kwargs)

@@ -45,24 +45,29 @@ def check_metrics(metrics: Any) -> dict[str, Any]:
     of at most ``MAX_METRIC_TEXT`` characters. Raises ``WorkloadOutputError`` naming the first
     offending metric, its value's type and the fix."""
     if not isinstance(metrics, dict):
-        raise WorkloadOutputError(f"workload.evaluate returned {type(metrics).__name__}; "
-                            f"fix: return a dict of metric name → number")
+        raise WorkloadOutputError(
+            f"workload.evaluate returned {type(metrics).__name__}; fix: return a dict of metric name → number"
+        )
     if len(metrics) > MAX_METRICS:
-        raise WorkloadOutputError(f"workload.evaluate returned {len(metrics)} metrics; "
-                            f"fix: return at most {MAX_METRICS}")
+        raise WorkloadOutputError(
+            f"workload.evaluate returned {len(metrics)} metrics; fix: return at most {MAX_METRICS}"
+        )
     out: dict[str, Any] = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or not name or len(name) > MAX_METRIC_NAME:
-            raise WorkloadOutputError(f"metric name {clip(repr(name), 80)}: "
-                                f"fix: a non-empty string of at most {MAX_METRIC_NAME} characters")
+            raise WorkloadOutputError(
+                f"metric name {clip(repr(name), 80)}: fix: a non-empty string of at most {MAX_METRIC_NAME} characters"
+            )
         if isinstance(value, bool) or isinstance(value, str) and len(value) <= MAX_METRIC_TEXT:
             out[name] = value
         elif isinstance(value, Real):  # numpy and torch scalars too: as plain numbers
             out[name] = int(value) if isinstance(value, int) else float(value)
         else:
             kind = f"str of {len(value)} characters" if isinstance(value, str) else type(value).__name__
-            raise WorkloadOutputError(f"metric {name!r}: value of type {kind}; fix: a number, a boolean "
-                                f"or a string of at most {MAX_METRIC_TEXT} characters")
+            raise WorkloadOutputError(
+                f"metric {name!r}: value of type {kind}; fix: a number, a boolean "
+                f"or a string of at most {MAX_METRIC_TEXT} characters"
+            )
     return out
 
 

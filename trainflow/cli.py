@@ -43,9 +43,11 @@ from pathlib import Path
 from trainflow.errors import SpecError
 
 _SIGNALS = {"kill_rank": signal.SIGKILL, "stop_rank": signal.SIGSTOP, "cont_rank": signal.SIGCONT}
-_SIGNAL_HELP = {"kill_rank": "SIGKILL this rank's worker (the gang restarts from its newest verified checkpoint)",
-                "stop_rank": "SIGSTOP this rank's worker (a hang: the heartbeat watch replaces its node)",
-                "cont_rank": "SIGCONT a stopped rank"}
+_SIGNAL_HELP = {
+    "kill_rank": "SIGKILL this rank's worker (the gang restarts from its newest verified checkpoint)",
+    "stop_rank": "SIGSTOP this rank's worker (a hang: the heartbeat watch replaces its node)",
+    "cont_rank": "SIGCONT a stopped rank",
+}
 
 
 def _spec(path: str):
@@ -89,8 +91,9 @@ def quota(pool: str, assign: str | None, unset: str | None) -> int:
     elif unset is not None:
         alloc.set_quota(pool, unset, None)
     quotas = alloc.quotas(pool)
-    print(json.dumps({"pool": pool, "policy": alloc.policy(pool), "quotas": quotas,
-                      "queue": alloc.queue(pool)}, indent=1))
+    print(
+        json.dumps({"pool": pool, "policy": alloc.policy(pool), "quotas": quotas, "queue": alloc.queue(pool)}, indent=1)
+    )
     return 0
 
 
@@ -105,12 +108,27 @@ def pool(name: str, nodes: int | None, policy: str | None) -> int:
         alloc.set_pool(name, nodes if nodes is not None else alloc.capacity(name), policy=policy)
     from trainflow.cluster.hosts import HostRegistry
 
-    hosts = [{k: h[k] for k in ("host", "queue", "family", "model", "devices", "labels", "cordoned")}
-             for h in HostRegistry().inventory(pool=name)]
-    print(json.dumps({"pool": name, "nodes": alloc.capacity(name), "policy": alloc.policy(name),
-                      "hosts": hosts, "quotas": alloc.quotas(name),
-                      "leases": [{"run": l.run_key, "nodes": l.nodes, "granted": l.granted} for l in alloc.leases(name)],
-                      "queue": alloc.queue(name)}, indent=1))
+    hosts = [
+        {k: h[k] for k in ("host", "queue", "family", "model", "devices", "labels", "cordoned")}
+        for h in HostRegistry().inventory(pool=name)
+    ]
+    print(
+        json.dumps(
+            {
+                "pool": name,
+                "nodes": alloc.capacity(name),
+                "policy": alloc.policy(name),
+                "hosts": hosts,
+                "quotas": alloc.quotas(name),
+                "leases": [
+                    {"run": lease.run_key, "nodes": lease.nodes, "granted": lease.granted}
+                    for lease in alloc.leases(name)
+                ],
+                "queue": alloc.queue(name),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
@@ -123,20 +141,26 @@ def retention(args) -> int:
     from trainflow import retention as ret
     from trainflow.workspace import default_root
 
-    policy = ret.Retention.from_env(workspace_days=args.workspace_days, log_days=args.log_days,
-                                    airflow_days=args.airflow_days)
+    policy = ret.Retention.from_env(
+        workspace_days=args.workspace_days, log_days=args.log_days, airflow_days=args.airflow_days
+    )
     logs = args.logs
     if logs is None and os.environ.get("AIRFLOW_HOME"):
         logs = Path(os.environ["AIRFLOW_HOME"]) / "logs"
-    out = ret.sweep(workspaces=args.workspaces or default_root(), logs=logs, policy=policy,
-                    dry_run=args.dry_run)
+    out = ret.sweep(workspaces=args.workspaces or default_root(), logs=logs, policy=policy, dry_run=args.dry_run)
     code = 0
     if args.airflow_db:
         airflow = Path(sys.executable).parent / "airflow"
         airflow = str(airflow) if airflow.exists() else "airflow"
-        url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or subprocess.run(
-            [airflow, "config", "get-value", "database", "sql_alchemy_conn"],
-            capture_output=True, text=True, check=True).stdout.strip()
+        url = (
+            os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN")
+            or subprocess.run(
+                [airflow, "config", "get-value", "database", "sql_alchemy_conn"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
         done = ret.clean_airflow_db(policy, url, airflow=airflow, dry_run=args.dry_run)
         out["airflow_db_clean"] = {k: done[k] for k in ("argv", "exit_code", "output")}
         code = 0 if done["exit_code"] == 0 else 1
@@ -157,8 +181,15 @@ def hosts(uncordon: str | None, cordon: str | None, reason: str) -> int:
     return 0
 
 
-def doctor(chip: str | None, queue: str | None, model: str | None, as_json: bool, register: bool,
-           pool: str | None = None, labels: list[str] | None = None) -> int:
+def doctor(
+    chip: str | None,
+    queue: str | None,
+    model: str | None,
+    as_json: bool,
+    register: bool,
+    pool: str | None = None,
+    labels: list[str] | None = None,
+) -> int:
     from trainflow.chips.doctor import examine, format_report
 
     report = examine(explicit=chip, queue=queue, model=model)
@@ -191,8 +222,15 @@ def register_host(report: dict, *, pool: str | None, labels: dict[str, str]) -> 
     from trainflow.cluster.hosts import HostRegistry, host_name
 
     registry, host = HostRegistry(), host_name()
-    registry.register(host, queue=report["queue"], family=report["family"], devices=report["devices"] or 0,
-                      pool=pool, model=report.get("model") or "", labels=labels)
+    registry.register(
+        host,
+        queue=report["queue"],
+        family=report["family"],
+        devices=report["devices"] or 0,
+        pool=pool,
+        model=report.get("model") or "",
+        labels=labels,
+    )
     out = {"registered": host, "pool": pool or report["queue"], "labels": labels}
     if not report["healthy"]:
         reason = f"doctor at registration: {report['health'].get('detail') or 'unhealthy chips'}"
@@ -208,8 +246,10 @@ def worker(queues: str, pool: str | None, labels: list[str], concurrency: int, d
     report = examine(queue=chip_queues[0]) if chip_queues else None
     if report is not None:
         added = register_host(report, pool=pool, labels=parse_labels(labels))
-        print(json.dumps({"queue": report["queue"], "devices": report["devices"], "healthy": report["healthy"]}
-                         | added), flush=True)
+        print(
+            json.dumps({"queue": report["queue"], "devices": report["devices"], "healthy": report["healthy"]} | added),
+            flush=True,
+        )
     argv = worker_argv(queues, concurrency)
     if dry_run:
         print(" ".join(argv))
@@ -225,8 +265,15 @@ def worker_argv(queues: str, concurrency: int, host: str | None = None) -> list[
     from trainflow.cluster.hosts import host_name
 
     airflow = Path(sys.executable).parent / "airflow"
-    return [str(airflow) if airflow.exists() else "airflow", "celery", "worker", "--queues",
-            with_host_queues(queues, host or host_name()), "--concurrency", str(concurrency)]
+    return [
+        str(airflow) if airflow.exists() else "airflow",
+        "celery",
+        "worker",
+        "--queues",
+        with_host_queues(queues, host or host_name()),
+        "--concurrency",
+        str(concurrency),
+    ]
 
 
 def with_host_queues(queues: str, host: str) -> str:
@@ -245,8 +292,14 @@ def pods(spec_path: str, node: int | None, dag_id: str, run_id: str) -> int:
 
     spec = _spec(spec_path)
     ws = Workspace(default_root(), spec.tenant, dag_id, run_id)
-    plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(ws.dir),
-                      rdzv_endpoint="trainflow-rdzv:29400", rdzv_backend="c10d")
+    plan = build_plan(
+        spec,
+        dag_id=dag_id,
+        run_id=run_id,
+        run_dir=str(ws.dir),
+        rdzv_endpoint="trainflow-rdzv:29400",
+        rdzv_backend="c10d",
+    )
     slots = range(len(plan["nodes"])) if node is None else [node]
     if node is not None and not 0 <= node < len(plan["nodes"]):
         raise SpecError("--node", node, f"the run has slots 0..{len(plan['nodes']) - 1}")
@@ -265,15 +318,25 @@ def helm_values(families: tuple[str, ...], image: str, tag: str) -> int:
     return 0
 
 
-def simulate_trace(trace: str, capacity: int, chips: int, policy: str, limit: int | None,
-                   plot_path: str | None, as_json: bool, checkpoint_interval: float | None, tenants: int) -> int:
+def simulate_trace(
+    trace: str,
+    capacity: int,
+    chips: int,
+    policy: str,
+    limit: int | None,
+    plot_path: str | None,
+    as_json: bool,
+    checkpoint_interval: float | None,
+    tenants: int,
+) -> int:
     from trainflow.sched.model import Pool
     from trainflow.sched.simulate import format_report, plot, simulate
     from trainflow.sched.trace import load
 
     jobs = load(trace, chips_per_node=chips, tenants=tenants, limit=limit)
-    report = simulate(jobs, pool=Pool.uniform(capacity, chips=chips), policy=policy,
-                      checkpoint_interval=checkpoint_interval)
+    report = simulate(
+        jobs, pool=Pool.uniform(capacity, chips=chips), policy=policy, checkpoint_interval=checkpoint_interval
+    )
     if plot_path:
         plot(report, plot_path)
     print(json.dumps(report.to_dict(series=False), indent=1) if as_json else format_report(report))
@@ -302,36 +365,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path, help="the running run's workspace")
     g = p.add_mutually_exclusive_group(required=True)
     for action in _SIGNALS:
-        g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK",
-                       help=_SIGNAL_HELP[action])
+        g.add_argument(f"--{action.replace('_', '-')}", type=int, metavar="RANK", help=_SIGNAL_HELP[action])
     p = sub.add_parser("hosts", help="list host failures and cordons; cordon or uncordon a host")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--uncordon", metavar="HOST")
     g.add_argument("--cordon", metavar="HOST")
     p.add_argument("--reason", default="cordoned by an operator")
-    p = sub.add_parser("quota", help="list or set a pool's tenant quotas; a pool with quotas admits "
-                                     "runs by fair share")
+    p = sub.add_parser("quota", help="list or set a pool's tenant quotas; a pool with quotas admits runs by fair share")
     p.add_argument("--pool", default="embedded", help="allocator pool (default: embedded)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--set", metavar="TENANT=NODES")
     g.add_argument("--unset", metavar="TENANT")
-    p = sub.add_parser("pool", help="show a node pool (size, policy, leases, queue); resize it or set "
-                                    "its admission policy")
+    p = sub.add_parser(
+        "pool", help="show a node pool (size, policy, leases, queue); resize it or set its admission policy"
+    )
     p.add_argument("--pool", default="embedded", help="allocator pool (default: embedded)")
     p.add_argument("--nodes", type=int, help="the pool's size in nodes")
-    p.add_argument("--policy", choices=["priority", "fifo", "backfill"],
-                   help="admission without quotas: priority (default), fifo, or backfill (EASY, on "
-                        "runtime estimates)")
-    p = sub.add_parser("retention", help="delete what only accumulates: old finished runs' workspaces, "
-                                         "old logs, stale rows; with --airflow-db also `airflow db clean`")
+    p.add_argument(
+        "--policy",
+        choices=["priority", "fifo", "backfill"],
+        help="admission without quotas: priority (default), fifo, or backfill (EASY, on runtime estimates)",
+    )
+    p = sub.add_parser(
+        "retention",
+        help="delete what only accumulates: old finished runs' workspaces, "
+        "old logs, stale rows; with --airflow-db also `airflow db clean`",
+    )
     p.add_argument("--workspaces", type=Path, help="workspace root (default: $TRAINFLOW_HOME/runs)")
     p.add_argument("--logs", type=Path, help="Airflow logs folder (default: $AIRFLOW_HOME/logs)")
     p.add_argument("--workspace-days", type=float, help="keep finished runs' workspaces this long (default 7)")
     p.add_argument("--log-days", type=float, help="keep task logs this long (default 14)")
     p.add_argument("--airflow-days", type=float, help="keep Airflow metadata rows this long (default 30)")
-    p.add_argument("--airflow-db", action="store_true",
-                   help="also run `airflow db clean` (needs the metadata database: run it where the "
-                        "scheduler runs, not from a task)")
+    p.add_argument(
+        "--airflow-db",
+        action="store_true",
+        help="also run `airflow db clean` (needs the metadata database: run it where the "
+        "scheduler runs, not from a task)",
+    )
     p.add_argument("--dry-run", action="store_true", help="report what would go; delete nothing")
     p = sub.add_parser("doctor", help="this host's chip family, devices, health, queue and worker command")
     g = p.add_mutually_exclusive_group()
@@ -339,17 +409,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue", help="queue this host should serve, e.g. ascend-910b")
     p.add_argument("--model", help="chip model for the queue name (default: the family's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--register", action="store_true",
-                   help="record this host in the inventory: queue, chips, pool, labels (provision checks "
-                        "nproc_per_node; a pool without a set size counts its registered hosts)")
+    p.add_argument(
+        "--register",
+        action="store_true",
+        help="record this host in the inventory: queue, chips, pool, labels (provision checks "
+        "nproc_per_node; a pool without a set size counts its registered hosts)",
+    )
     p.add_argument("--pool", help="with --register: the node pool (default: the queue)")
-    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
-                   help="with --register: a label, e.g. rack=r1 (repeatable)")
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --register: a label, e.g. rack=r1 (repeatable)",
+    )
     p = sub.add_parser("worker", help="register this host (doctor --register) and run its Celery worker")
     p.add_argument("--queues", required=True, help="queues to serve, e.g. nvidia-gpu or default,cpu")
     p.add_argument("--pool", help="the node pool (default: the chip queue)")
-    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
-                   help="a label of this host, e.g. rack=r1 (repeatable)")
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a label of this host, e.g. rack=r1 (repeatable)",
+    )
     p.add_argument("--concurrency", type=int, default=1, help="tasks at once (1 per chip host)")
     p.add_argument("--dry-run", action="store_true", help="register and print the worker command; do not start it")
     p = sub.add_parser("pods", help="print the Kubernetes pods of a run (dry run; applies nothing)")
@@ -357,23 +440,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", type=int, help="only this slot")
     p.add_argument("--dag-id", default="train_digits", help="the DAG the pods' labels name")
     p.add_argument("--run-id", default="manual__dry-run", help="the run the pods' labels name")
-    p = sub.add_parser("helm-values", help="values for the official Airflow Helm chart: one Celery "
-                                           "worker set per chip queue (docker/helm/values.yaml)")
-    p.add_argument("--family", action="append", help="chip family to give a worker set (repeatable; "
-                                                     "default: cpu nvidia ascend cambricon hygon kunlunxin mthreads)")
+    p = sub.add_parser(
+        "helm-values",
+        help="values for the official Airflow Helm chart: one Celery "
+        "worker set per chip queue (docker/helm/values.yaml)",
+    )
+    p.add_argument(
+        "--family",
+        action="append",
+        help="chip family to give a worker set (repeatable; "
+        "default: cpu nvidia ascend cambricon hygon kunlunxin mthreads)",
+    )
     p.add_argument("--image", default="trainflow-airflow", help="the Airflow image the chart runs")
     p.add_argument("--tag", default="0.1.0", help="its tag")
-    p = sub.add_parser("simulate", help="replay a job trace (CSV) through a scheduling policy on a "
-                                        "virtual clock and report utilization, JCT and queueing")
+    p = sub.add_parser(
+        "simulate",
+        help="replay a job trace (CSV) through a scheduling policy on a "
+        "virtual clock and report utilization, JCT and queueing",
+    )
     p.add_argument("--trace", required=True, help="CSV with job_id,submission_time,duration,num_gpu")
     p.add_argument("--capacity", type=int, required=True, metavar="NODES", help="nodes in the pool")
     p.add_argument("--chips", type=int, default=8, help="chips per node (default 8)")
-    p.add_argument("--policy", required=True, choices=["fifo", "backfill", "priority", "fairshare"],
-                   help="the admission policy to replay (docs/scheduler.md)")
+    p.add_argument(
+        "--policy",
+        required=True,
+        choices=["fifo", "backfill", "priority", "fairshare"],
+        help="the admission policy to replay (docs/scheduler.md)",
+    )
     p.add_argument("--limit", type=int, metavar="N", help="only the first N jobs")
     p.add_argument("--tenants", type=int, default=4, help="tenants to hash jobs into (default 4)")
-    p.add_argument("--checkpoint-interval", type=float, metavar="S",
-                   help="seconds between a job's checkpoints (preemption loses the rest; default: none)")
+    p.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        metavar="S",
+        help="seconds between a job's checkpoints (preemption loses the rest; default: none)",
+    )
     p.add_argument("--plot", metavar="PNG", help="write utilization and queue length over time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     from trainflow import cli_runs
@@ -390,8 +491,17 @@ def main(argv: list[str] | None = None) -> int:
         return cli_runs.run(args)
     try:
         if args.command == "simulate":
-            return simulate_trace(args.trace, args.capacity, args.chips, args.policy, args.limit, args.plot,
-                                  args.json, args.checkpoint_interval, args.tenants)
+            return simulate_trace(
+                args.trace,
+                args.capacity,
+                args.chips,
+                args.policy,
+                args.limit,
+                args.plot,
+                args.json,
+                args.checkpoint_interval,
+                args.tenants,
+            )
         if args.command == "helm-values":
             return helm_values(tuple(args.family or ()), args.image, args.tag)
         if args.command == "doctor":

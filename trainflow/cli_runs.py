@@ -31,6 +31,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 def add_parsers(sub) -> None:
     """Register the run commands on ``trainflow``'s subparsers."""
+
     def common(p, run: bool = True) -> None:
         p.add_argument("--url", default=None, help=f"Airflow api-server (default $TRAINFLOW_URL or {DEFAULT_URL})")
         p.add_argument("--dag", default=DEFAULT_DAG, help=f"the training DAG (default {DEFAULT_DAG})")
@@ -40,8 +41,13 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("submit", help="start a run: a spec file and/or --set field=value, validated first")
     p.add_argument("spec", nargs="?", help="spec JSON file (optional)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a spec field (JSON value or plain string); repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a spec field (JSON value or plain string); repeatable",
+    )
     p.add_argument("--run-id", help="the DAG run id (default: Airflow's)")
     p.add_argument("--watch", action="store_true", help="then watch it to the end (exit 1 if it fails)")
     common(p, run=False)
@@ -102,8 +108,11 @@ def credentials(env=None) -> tuple[str, str]:
         secrets = home / "trainflow-secrets.json"
         if secrets.exists():
             return "admin", json.loads(secrets.read_text())["admin_password"]
-    raise SpecError("credentials", None, "set TRAINFLOW_USER and TRAINFLOW_PASSWORD (no embedded stack "
-                    "secrets found to use instead)")
+    raise SpecError(
+        "credentials",
+        None,
+        "set TRAINFLOW_USER and TRAINFLOW_PASSWORD (no embedded stack secrets found to use instead)",
+    )
 
 
 def connect(url: str | None):
@@ -137,8 +146,11 @@ def cmd_submit(client, args) -> int:
     client.unpause(args.dag)
     out = client.trigger(args.dag, conf, run_id=args.run_id)
     run_id = out["dag_run_id"]
-    print(json.dumps({"dag_id": args.dag, "run_id": run_id, "state": out.get("state")}) if args.json
-          else f"submitted {args.dag}/{run_id}")
+    print(
+        json.dumps({"dag_id": args.dag, "run_id": run_id, "state": out.get("state")})
+        if args.json
+        else f"submitted {args.dag}/{run_id}"
+    )
     if args.watch:
         args.run_id, args.interval, args.timeout = run_id, 2.0, 24 * 3600.0
         return cmd_watch(client, args)
@@ -151,8 +163,13 @@ def status(client, dag: str, run_id: str) -> dict[str, Any]:
 
     run = client.run(dag, run_id)
     tis = client.task_instances(dag, run_id)
-    tasks = {f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]:
-             {"state": t["state"], "try": t["try_number"]} for t in tis}
+    tasks = {
+        f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]: {
+            "state": t["state"],
+            "try": t["try_number"],
+        }
+        for t in tis
+    }
     tenant = (run.get("conf") or {}).get("tenant", "default")
     try:
         detail = client.call("GET", f"/trainflow/api/runs/{tenant}/{dag}/{run_id}")
@@ -204,8 +221,17 @@ def cmd_watch(client, args) -> int:
         line = progress_line(st, started=started)
         if args.json:
             detail = st["progress"] or {}
-            print(json.dumps({"state": st["state"], "step": detail.get("step"), "total_steps": detail.get("total_steps"),
-                              "loss": detail.get("loss")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "state": st["state"],
+                        "step": detail.get("step"),
+                        "total_steps": detail.get("total_steps"),
+                        "loss": detail.get("loss"),
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(("\r" if interactive else "") + line, end="" if interactive else "\n", flush=True)
         if st["state"] in DONE:
@@ -219,10 +245,19 @@ def cmd_watch(client, args) -> int:
 
 
 def cmd_runs(client, args) -> int:
-    runs = client.call("GET", f"/api/v2/dags/{_q(args.dag)}/dagRuns?limit={int(args.limit)}"
-                              "&order_by=-run_after")["dag_runs"]
-    rows = [{"run_id": r["dag_run_id"], "state": r["state"], "tenant": (r.get("conf") or {}).get("tenant", "default"),
-             "start": r.get("start_date"), "end": r.get("end_date")} for r in runs]
+    runs = client.call("GET", f"/api/v2/dags/{_q(args.dag)}/dagRuns?limit={int(args.limit)}&order_by=-run_after")[
+        "dag_runs"
+    ]
+    rows = [
+        {
+            "run_id": r["dag_run_id"],
+            "state": r["state"],
+            "tenant": (r.get("conf") or {}).get("tenant", "default"),
+            "start": r.get("start_date"),
+            "end": r.get("end_date"),
+        }
+        for r in runs
+    ]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -233,8 +268,11 @@ def cmd_runs(client, args) -> int:
 
 def cmd_logs(client, args) -> int:
     map_index = args.map_index if args.map_index is not None else (0 if args.task == "shard_train" else -1)
-    tis = [t for t in client.task_instances(args.dag, args.run_id)
-           if t["task_id"] == args.task and t["map_index"] == map_index]
+    tis = [
+        t
+        for t in client.task_instances(args.dag, args.run_id)
+        if t["task_id"] == args.task and t["map_index"] == map_index
+    ]
     if not tis:
         raise SpecError("--task", f"{args.task}[{map_index}]", f"no such task instance in run {args.run_id}")
     try_number = args.try_number or max(1, tis[0]["try_number"])
@@ -243,8 +281,9 @@ def cmd_logs(client, args) -> int:
     for line in text.splitlines():
         try:
             event = json.loads(line)
-            lines.append(f"{event.get('timestamp', '')} {event.get('event', line)}" if isinstance(event, dict)
-                         else line)
+            lines.append(
+                f"{event.get('timestamp', '')} {event.get('event', line)}" if isinstance(event, dict) else line
+            )
         except ValueError:
             lines.append(line)
     print("\n".join(lines))
@@ -272,8 +311,11 @@ def cmd_cancel(client, args, *, recheck: int = 3, interval: float = 1.0) -> int:
     base = f"/api/v2/dags/{_q(args.dag)}/dagRuns/{_q(args.run_id)}"
 
     def fail_active() -> int:
-        active = [t for t in client.task_instances(args.dag, args.run_id)
-                  if t["state"] in ACTIVE and t["task_id"] != "release"]
+        active = [
+            t
+            for t in client.task_instances(args.dag, args.run_id)
+            if t["state"] in ACTIVE and t["task_id"] != "release"
+        ]
         for t in active:
             path = f"{base}/taskInstances/{_q(t['task_id'])}" + (f"/{t['map_index']}" if t["map_index"] >= 0 else "")
             client.call("PATCH", path, {"new_state": "failed", "note": "cancelled with trainflow cancel"})

@@ -49,8 +49,7 @@ def indices_at(*, n: int, seed: int, positions: range) -> list[int]:
     return out
 
 
-def shard_indices(*, n: int, seed: int, step: int, batch_size: int, world_size: int,
-                  rank: int) -> list[int]:
+def shard_indices(*, n: int, seed: int, step: int, batch_size: int, world_size: int, rank: int) -> list[int]:
     """Sample indices rank ``rank`` trains on at ``step`` of a fixed-size gang
     (``batch_size`` per rank, so position ``step × batch_size × world_size``).
 

@@ -21,10 +21,15 @@ from trainflow import timeline
 from trainflow.heartbeat import read_all
 from trainflow.stack import EmbeddedStack
 
-DEMO_CONF = {"nodes": 2, "steps": 300, "checkpoint_interval": 50,
-             "heartbeat_interval": 0.5, "heartbeat_timeout": 5.0,
-             # one injected fault, to show self-healing: rank 1 is killed with SIGKILL
-             "faults": [{"kind": "kill_rank", "rank": 1, "step": 120}]}
+DEMO_CONF = {
+    "nodes": 2,
+    "steps": 300,
+    "checkpoint_interval": 50,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 5.0,
+    # one injected fault, to show self-healing: rank 1 is killed with SIGKILL
+    "faults": [{"kind": "kill_rank", "rank": 1, "step": 120}],
+}
 
 
 _DESCRIBE = {
@@ -36,7 +41,7 @@ _DESCRIBE = {
     "user_error": "USER BUG  rank {rank}: {message} (run aborted, no retries)",
     "straggler": "STRAGGLER rank {rank} computes {compute_ms} ms/step vs peers' {median_ms} ms",
     "membership": "MEMBERS   gang {change} at step {step}: world {world_from} → {world_to}, "
-                  "nodes {nodes_from} → {nodes_to}",
+    "nodes {nodes_from} → {nodes_to}",
 }
 
 
@@ -51,8 +56,11 @@ def _stack(port: int) -> EmbeddedStack:
     # checkout's examples/ are allowed programs unless TRAINFLOW_PROGRAM_ROOTS says otherwise.
     examples = Path(__file__).resolve().parents[1] / "examples"
     roots = os.environ.get("TRAINFLOW_PROGRAM_ROOTS") or str(examples)
-    return EmbeddedStack.from_env(port=port, allow_faults=True,  # TRAINFLOW_PROFILE=embedded|distributed
-                                  extra_env={"TRAINFLOW_PROGRAM_ROOTS": roots})
+    return EmbeddedStack.from_env(
+        port=port,
+        allow_faults=True,  # TRAINFLOW_PROFILE=embedded|distributed
+        extra_env={"TRAINFLOW_PROGRAM_ROOTS": roots},
+    )
 
 
 def progress_line(beats: dict[int, dict], world: int) -> str:
@@ -66,8 +74,10 @@ def progress_line(beats: dict[int, dict], world: int) -> str:
     ckpt = max((b.get("checkpoint_step", 0) for b in beats.values()), default=0)
     loss = f"loss {sum(losses) / len(losses):.4f}" if losses else "loss -"
     sps = sum(b.get("samples_per_s", 0.0) for b in beats.values())
-    return (f"step {min(steps)}/{total}  {loss}  {sps:,.0f} samples/s  ranks {len(beats)}/{world} on "
-            f"{len(nodes)} nodes ({', '.join(states)})  last checkpoint {ckpt}")
+    return (
+        f"step {min(steps)}/{total}  {loss}  {sps:,.0f} samples/s  ranks {len(beats)}/{world} on "
+        f"{len(nodes)} nodes ({', '.join(states)})  last checkpoint {ckpt}"
+    )
 
 
 def watch(client, dag_id: str, run_id: str, *, timeout: float, out=sys.stdout) -> dict:
@@ -124,8 +134,10 @@ def demo(args) -> int:
         print(f"report     {metrics['report']}")
         report = json.loads(Path(metrics["report"]).read_text())
         for f in (report.get("goodput") or {}).get("faults", []):
-            print(f"healed     {f['kind']} at step {f.get('step')}: training resumed {f.get('recovery_s')}s "
-                  f"later from step {f.get('resumed_from_step')}, {f.get('steps_lost')} steps redone")
+            print(
+                f"healed     {f['kind']} at step {f.get('step')}: training resumed {f.get('recovery_s')}s "
+                f"later from step {f.get('resumed_from_step')}, {f.get('steps_lost')} steps redone"
+            )
         if report.get("goodput"):
             print(f"goodput    {report['goodput']['goodput']:.1%} of {report['goodput']['wall_s']:.1f}s")
     print(f"\nAirflow UI {stack.url}/dags/{args.dag}   login: {user} / {password}")
@@ -147,9 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
         return 0
     if args.action == "status":
-        print(json.dumps({"url": stack.url, "health": stack.health(),
-                          "pids": {c: stack.pid(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer")}},
-                         indent=1))
+        print(
+            json.dumps(
+                {
+                    "url": stack.url,
+                    "health": stack.health(),
+                    "pids": {c: stack.pid(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer")},
+                },
+                indent=1,
+            )
+        )
         return 0
     if args.action == "up":
         stack.up(timeout=300)
@@ -175,8 +194,9 @@ def supervise(stack: EmbeddedStack, interval: float = 5.0) -> int:
     user, password = stack.credentials()
     print(f"Airflow UI {stack.url}   login: {user} / {password}; supervising (SIGTERM stops)", flush=True)
     try:
-        stack.supervise(stop, interval=interval,
-                        on_restart=lambda started: print(f"restarted {', '.join(started)}", flush=True))
+        stack.supervise(
+            stop, interval=interval, on_restart=lambda started: print(f"restarted {', '.join(started)}", flush=True)
+        )
     finally:
         stopped = stack.stop()
         print(f"stopped: {', '.join(stopped) or 'nothing was running'}", flush=True)

@@ -149,8 +149,11 @@ def render_configuration() -> str:
         lines += ["| field | type | default | allowed | meaning |", "|---|---|---|---|---|"]
         for name in members:
             param = schema[name]
-            keywords = {k: v for k, v in param.items()
-                        if k not in ("default", "type", "title", "description", "section", "examples")}
+            keywords = {
+                k: v
+                for k, v in param.items()
+                if k not in ("default", "type", "title", "description", "section", "examples")
+            }
             allowed = _rules(keywords) or ("true, false" if param["type"] == "boolean" else "")
             if param.get("examples"):
                 allowed += "; e.g. " + ", ".join(map(_code, param["examples"]))
@@ -184,8 +187,7 @@ def _exclusive(parser: argparse.ArgumentParser) -> dict[argparse.Action, str]:
         flags = [a.option_strings[0] for a in group._group_actions if a.option_strings]
         for action in group._group_actions:
             others = [f for f in flags if f not in action.option_strings]
-            notes[action] = (f"exactly one of {', '.join(flags)}" if group.required
-                             else f"not with {', '.join(others)}")
+            notes[action] = f"exactly one of {', '.join(flags)}" if group.required else f"not with {', '.join(others)}"
     return notes
 
 
@@ -282,8 +284,9 @@ def write(root: Path = _ROOT) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description="render the configuration and CLI reference")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a checked-in page differs from a fresh rendering")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a checked-in page differs from a fresh rendering"
+    )
     parser.add_argument("--root", type=Path, default=_ROOT, help="the checkout (default: this one)")
     args = parser.parse_args(argv)
     if args.check:

@@ -20,21 +20,28 @@ from trainflow.timeline import record
 
 
 class FaultKind(str, enum.Enum):
-    KILL_RANK = "kill_rank"            # SIGKILL the rank's worker process (process fault)
-    KILL_NODE = "kill_node"            # SIGKILL the node's shard_train task (or agent) and its tree
-    LOSE_NODE = "lose_node"            # kill_node, and the node's host is gone for `seconds` (0: for good)
-    STOP_RANK = "stop_rank"            # SIGSTOP the rank (a hang: alive but no progress)
+    KILL_RANK = "kill_rank"  # SIGKILL the rank's worker process (process fault)
+    KILL_NODE = "kill_node"  # SIGKILL the node's shard_train task (or agent) and its tree
+    LOSE_NODE = "lose_node"  # kill_node, and the node's host is gone for `seconds` (0: for good)
+    STOP_RANK = "stop_rank"  # SIGSTOP the rank (a hang: alive but no progress)
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest checkpoint, then kill the rank
-    RAISE = "raise"                    # a deterministic user bug: ValueError in the workload
-    CRASH_RANK = "crash_rank"          # SIGKILL the rank every time it reaches the step (crash loop)
-    SLOW_RANK = "slow_rank"            # from the step on, the rank computes 4× slower (a straggler)
-    FILL_DISK = "fill_disk"            # fill the checkpoint filesystem until the next save has failed
+    RAISE = "raise"  # a deterministic user bug: ValueError in the workload
+    CRASH_RANK = "crash_rank"  # SIGKILL the rank every time it reaches the step (crash loop)
+    SLOW_RANK = "slow_rank"  # from the step on, the rank computes 4× slower (a straggler)
+    FILL_DISK = "fill_disk"  # fill the checkpoint filesystem until the next save has failed
     DELAY_HEARTBEATS = "delay_heartbeats"  # the rank trains on but withholds heartbeats for `seconds`
-    ALLOCATE = "allocate"              # the workload allocates memory without bound (needs memory_limit_mb)
+    ALLOCATE = "allocate"  # the workload allocates memory without bound (needs memory_limit_mb)
 
 
-ONCE = {FaultKind.KILL_RANK, FaultKind.KILL_NODE, FaultKind.LOSE_NODE, FaultKind.STOP_RANK, FaultKind.CORRUPT_CHECKPOINT,
-        FaultKind.FILL_DISK, FaultKind.DELAY_HEARTBEATS}
+ONCE = {
+    FaultKind.KILL_RANK,
+    FaultKind.KILL_NODE,
+    FaultKind.LOSE_NODE,
+    FaultKind.STOP_RANK,
+    FaultKind.CORRUPT_CHECKPOINT,
+    FaultKind.FILL_DISK,
+    FaultKind.DELAY_HEARTBEATS,
+}
 # Bytes left free by fill_disk: less than any checkpoint, so the next save hits ENOSPC.
 FILL_LEAVE_BYTES = 4096
 # fill_disk refuses a filesystem with more free space than this (it is a rehearsal, not
@@ -58,10 +65,13 @@ def check_allowed(faults: tuple, *, dag_allows: bool, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     if not faults or dag_allows or env.get(ALLOW_FAULTS_ENV, "").lower() in ("1", "true", "yes"):
         return
-    raise SpecError("faults", [f.to_dict() if isinstance(f, Fault) else f for f in faults],
-                    "fault injection is a rehearsal this DAG does not allow: build it with "
-                    f"training_dag(..., allow_faults=True), or set {ALLOW_FAULTS_ENV}=1 in the "
-                    "deployment's environment; or leave faults empty")
+    raise SpecError(
+        "faults",
+        [f.to_dict() if isinstance(f, Fault) else f for f in faults],
+        "fault injection is a rehearsal this DAG does not allow: build it with "
+        f"training_dag(..., allow_faults=True), or set {ALLOW_FAULTS_ENV}=1 in the "
+        "deployment's environment; or leave faults empty",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,13 +128,13 @@ def parse_faults(value: Iterable[Any], *, world_size: int, steps: int) -> tuple[
             raise SpecError(f"faults[{i}]", item, "must be an object with kind, step and rank")
         unknown = set(item) - {"kind", "step", "rank", "seconds"}
         if unknown:
-            raise SpecError(f"faults[{i}]", item,
-                            f"unknown keys {sorted(unknown)}; use kind, step, rank, seconds")
+            raise SpecError(f"faults[{i}]", item, f"unknown keys {sorted(unknown)}; use kind, step, rank, seconds")
         try:
             kind = FaultKind(item.get("kind"))
         except ValueError:
-            raise SpecError(f"faults[{i}].kind", item.get("kind"),
-                            f"use one of {', '.join(k.value for k in FaultKind)}") from None
+            raise SpecError(
+                f"faults[{i}].kind", item.get("kind"), f"use one of {', '.join(k.value for k in FaultKind)}"
+            ) from None
         step, rank = item.get("step"), item.get("rank", 0)
         for name, v in (("step", step), ("rank", rank)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -137,11 +147,17 @@ def parse_faults(value: Iterable[Any], *, world_size: int, steps: int) -> tuple[
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
             raise SpecError(f"faults[{i}].seconds", seconds, "must be a number of seconds in 0..3600")
         if kind == FaultKind.DELAY_HEARTBEATS and not seconds:
-            raise SpecError(f"faults[{i}].seconds", seconds,
-                            "delay_heartbeats needs seconds > 0: how long the heartbeats are withheld")
+            raise SpecError(
+                f"faults[{i}].seconds",
+                seconds,
+                "delay_heartbeats needs seconds > 0: how long the heartbeats are withheld",
+            )
         if kind not in (FaultKind.DELAY_HEARTBEATS, FaultKind.LOSE_NODE) and seconds:
-            raise SpecError(f"faults[{i}].seconds", seconds,
-                            f"only delay_heartbeats and lose_node take seconds; drop it for {kind.value}")
+            raise SpecError(
+                f"faults[{i}].seconds",
+                seconds,
+                f"only delay_heartbeats and lose_node take seconds; drop it for {kind.value}",
+            )
         out.append(Fault(kind=kind, step=step, rank=rank, seconds=float(seconds)))
     return tuple(out)
 
@@ -242,12 +258,15 @@ class FaultInjector:
                 if fault.kind == FaultKind.LOSE_NODE:
                     from trainflow.cluster.slots import mark_lost
 
-                    mark_lost(self.run_dir, node, seconds=fault.seconds,
-                              reason=f"lose_node fault at step {step} (rank {self.rank})")
+                    mark_lost(
+                        self.run_dir,
+                        node,
+                        seconds=fault.seconds,
+                        reason=f"lose_node fault at step {step} (rank {self.rank})",
+                    )
                 # The node task's process under Airflow, else the agent; the rest of the
                 # tree follows through PDEATHSIG.
-                target = int(os.environ.get("TRAINFLOW_NODE_TASK_PID") or
-                             os.environ.get("TRAINFLOW_AGENT_PID", "0"))
+                target = int(os.environ.get("TRAINFLOW_NODE_TASK_PID") or os.environ.get("TRAINFLOW_AGENT_PID", "0"))
                 if target:
                     os.kill(target, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -265,10 +284,19 @@ class FaultInjector:
         cap = int(os.environ.get("TRAINFLOW_FAULT_FILL_MAX_BYTES", FILL_MAX_BYTES))
         size = free - FILL_LEAVE_BYTES
         if size > cap:
-            print(f"[rank {self.rank}] fill_disk skipped: {free} bytes free on the checkpoint "
-                  f"filesystem, more than TRAINFLOW_FAULT_FILL_MAX_BYTES={cap}", flush=True)
-            record(self.run_dir, "fault_skipped", kind=fault.kind.value, step=step, rank=self.rank,
-                   reason=f"{free} bytes free > cap {cap}")
+            print(
+                f"[rank {self.rank}] fill_disk skipped: {free} bytes free on the checkpoint "
+                f"filesystem, more than TRAINFLOW_FAULT_FILL_MAX_BYTES={cap}",
+                flush=True,
+            )
+            record(
+                self.run_dir,
+                "fault_skipped",
+                kind=fault.kind.value,
+                step=step,
+                rank=self.rank,
+                reason=f"{free} bytes free > cap {cap}",
+            )
             return
         ballast = root / f".ballast-rank{self.rank}"
         fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -295,8 +323,11 @@ class FaultInjector:
         size = self._ballast.stat().st_size if self._ballast.exists() else 0
         self._ballast.unlink(missing_ok=True)
         self._ballast = None
-        print(f"[rank {self.rank}] fill_disk: save of step {step} {'succeeded' if ok else 'failed'}; "
-              f"released {size} bytes", flush=True)
+        print(
+            f"[rank {self.rank}] fill_disk: save of step {step} {'succeeded' if ok else 'failed'}; "
+            f"released {size} bytes",
+            flush=True,
+        )
         record(self.run_dir, "disk_released", step=step, rank=self.rank, save_ok=ok, bytes=size)
 
     def after_checkpoint(self, step: int, checkpoint_dir: Path | None) -> None:

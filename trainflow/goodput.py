@@ -8,7 +8,6 @@ from pathlib import Path
 
 from trainflow import timeline
 
-
 # Faults that do not stop training by themselves: a failed save (fill_disk), a slow rank,
 # withheld heartbeats. They restart the gang only if the watch then declares a stall.
 NO_RESTART = {"fill_disk", "slow_rank", "delay_heartbeats"}
@@ -40,31 +39,55 @@ def fault_records(events: list[dict]) -> list[dict]:
                 open_[-1].setdefault("cause", exit_cause(e))
                 open_[-1]["exits"] = open_[-1].get("exits", 0) + 1
                 continue
-            out.append({"kind": "worker_exit", "source": "outside", "cause": exit_cause(e), "time": e["time"],
-                        "step": e.get("step"), "rank": e.get("rank"), "restarts": True, "exits": 1})
+            out.append(
+                {
+                    "kind": "worker_exit",
+                    "source": "outside",
+                    "cause": exit_cause(e),
+                    "time": e["time"],
+                    "step": e.get("step"),
+                    "rank": e.get("rank"),
+                    "restarts": True,
+                    "exits": 1,
+                }
+            )
             continue
         if e["event"] == "membership":
             # the gang that resumed has other members: say so on the record it ended
             resumed = [rec for rec in out if rec.get("resumed_time", 0) <= e["time"] and "membership" not in rec]
             if resumed:
-                resumed[-1]["membership"] = {k: e[k] for k in ("change", "world_from", "world_to", "joined", "left")
-                                             if k in e}
+                resumed[-1]["membership"] = {
+                    k: e[k] for k in ("change", "world_from", "world_to", "joined", "left") if k in e
+                }
             continue
-        if e["event"] in ("fault_injected", "stall_detected", "user_error", "straggler_excluded",
-                          "grow_window"):
-            if e["event"] == "stall_detected" and out and "resumed_time" not in out[-1] \
-                    and out[-1]["kind"] not in ("fill_disk", "slow_rank"):
+        if e["event"] in ("fault_injected", "stall_detected", "user_error", "straggler_excluded", "grow_window"):
+            if (
+                e["event"] == "stall_detected"
+                and out
+                and "resumed_time" not in out[-1]
+                and out[-1]["kind"] not in ("fill_disk", "slow_rank")
+            ):
                 out[-1]["detected_time"] = e["time"]  # the watch detected the injected fault
                 out[-1]["detection_s"] = round(e["time"] - out[-1]["time"], 3)
                 out[-1]["restarts"] = True
                 continue
-            kind = ("grow" if e["event"] == "grow_window" else e["event"] if e["event"] == "straggler_excluded"
-                    else e.get("kind", e["event"]))
-            out.append({"kind": kind, "source": "injected" if e["event"] == "fault_injected" else "detected",
-                        "time": e["time"], "step": e.get("step"),
-                        "restarts": kind not in NO_RESTART,
-                        **({"detected_time": e["time"], "detection_s": 0.0}
-                           if e["event"] == "stall_detected" else {})})
+            kind = (
+                "grow"
+                if e["event"] == "grow_window"
+                else e["event"]
+                if e["event"] == "straggler_excluded"
+                else e.get("kind", e["event"])
+            )
+            out.append(
+                {
+                    "kind": kind,
+                    "source": "injected" if e["event"] == "fault_injected" else "detected",
+                    "time": e["time"],
+                    "step": e.get("step"),
+                    "restarts": kind not in NO_RESTART,
+                    **({"detected_time": e["time"], "detection_s": 0.0} if e["event"] == "stall_detected" else {}),
+                }
+            )
         elif e["event"] == "resumed":
             for rec in out:
                 if rec["restarts"] and "resumed_time" not in rec and rec["time"] <= e["time"]:
@@ -89,9 +112,30 @@ def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dic
     lost = sum(f.get("steps_lost", 0) for f in faults)
     step_time = max(wall - recovering, 0.0) / max(steps + lost, 1)
     wasted = recovering + lost * step_time
-    return {"faults": faults, "membership": [
-                {k: e[k] for k in ("time", "step", "change", "world_from", "world_to", "nodes_from", "nodes_to",
-                                 "joined", "left", "spares_used")
-                 if k in e} for e in events if e["event"] == "membership"],
-            "wall_s": round(wall, 3), "recovery_s": round(recovering, 3),
-            "steps_lost": lost, "goodput": round(max(0.0, 1 - wasted / wall), 4)}
+    return {
+        "faults": faults,
+        "membership": [
+            {
+                k: e[k]
+                for k in (
+                    "time",
+                    "step",
+                    "change",
+                    "world_from",
+                    "world_to",
+                    "nodes_from",
+                    "nodes_to",
+                    "joined",
+                    "left",
+                    "spares_used",
+                )
+                if k in e
+            }
+            for e in events
+            if e["event"] == "membership"
+        ],
+        "wall_s": round(wall, 3),
+        "recovery_s": round(recovering, 3),
+        "steps_lost": lost,
+        "goodput": round(max(0.0, 1 - wasted / wall), 4),
+    }

@@ -69,8 +69,7 @@ class HeartbeatWriter:
     is how ``culprits`` tells it from its victims.
     """
 
-    def __init__(self, directory: Path, *, rank: int, node: int, interval: float,
-                 world: int | None = None) -> None:
+    def __init__(self, directory: Path, *, rank: int, node: int, interval: float, world: int | None = None) -> None:
         import threading
 
         self.path = Path(directory) / f"rank-{rank:05d}.json"
@@ -96,8 +95,9 @@ class HeartbeatWriter:
 
     def _write(self, record: dict, now: float) -> None:
         with self._lock:
-            write_json_atomic(self.path, {**record, "alive": now, "phase": self._phase,
-                                          "phase_since": self._phase_since})
+            write_json_atomic(
+                self.path, {**record, "alive": now, "phase": self._phase, "phase_since": self._phase_since}
+            )
 
     def beat(self, *, step: int, total: int, state: RankState, force: bool = False, **extra) -> None:
         now = time.time()
@@ -108,9 +108,15 @@ class HeartbeatWriter:
         if not force and state == self._last_state and now - self._last_write < self.interval:
             return
         self._record = {
-            "rank": self.rank, "node": self.node, "pid": os.getpid(), "step": step,
+            "rank": self.rank,
+            "node": self.node,
+            "pid": os.getpid(),
+            "step": step,
             **({"world": self.world, "started": self._started} if self.world is not None else {}),
-            "total": total, "state": state.value, "time": now, "progress_time": self._progress_at,
+            "total": total,
+            "state": state.value,
+            "time": now,
+            "progress_time": self._progress_at,
             **extra,
         }
         self._write(self._record, now)
@@ -177,8 +183,15 @@ def current_gang(beats: dict[int, dict], world_size: int) -> tuple[dict[int, dic
     return {r: b for r, b in beats.items() if r < world and int(b.get("world", world)) == world}, world
 
 
-def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at: float,
-             policy: HeartbeatPolicy, node_started: dict[int, float] | None = None) -> Classification:
+def classify(
+    beats: dict[int, dict],
+    *,
+    now: float,
+    world_size: int,
+    started_at: float,
+    policy: HeartbeatPolicy,
+    node_started: dict[int, float] | None = None,
+) -> Classification:
     """Decide what the heartbeats of a run say. Pure: time is a parameter.
 
     Args:
@@ -199,9 +212,12 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
     if missing:
         waited = now - started_at
         if waited > policy.startup_timeout:
-            return Classification(Verdict.STARTUP_TIMEOUT,
-                                  f"ranks {missing} sent no heartbeat in {waited:.1f}s "
-                                  f"(startup timeout {policy.startup_timeout}s)", tuple(missing), steps)
+            return Classification(
+                Verdict.STARTUP_TIMEOUT,
+                f"ranks {missing} sent no heartbeat in {waited:.1f}s (startup timeout {policy.startup_timeout}s)",
+                tuple(missing),
+                steps,
+            )
         return Classification(Verdict.WAITING, f"waiting for ranks {missing}", tuple(missing), steps)
     if all(b.get("state") == RankState.DONE.value for b in beats.values()):
         return Classification(Verdict.COMPLETE, f"all {world_size} ranks done", (), steps)
@@ -214,8 +230,11 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
         restarted = (node_started or {}).get(int(b["node"])) if b.get("node") is not None else None
         if restarted is not None and restarted <= progress:
             restarted = None
-        if state in (RankState.STARTING.value, RankState.FAILED.value) or progress < started_at \
-                or restarted is not None:
+        if (
+            state in (RankState.STARTING.value, RankState.FAILED.value)
+            or progress < started_at
+            or restarted is not None
+        ):
             # Starting up (imports, rendezvous), not seen progressing since the watch
             # (re)started, or its node's task restarted since (a replacement starting
             # cold): the startup window applies, not the progress timeout.
@@ -227,15 +246,18 @@ def classify(beats: dict[int, dict], *, now: float, world_size: int, started_at:
     if stalled:
         desc = ", ".join(f"rank {r} without progress for {age:.1f}s at step {steps[r]}" for r, age in stalled)
         ranks, why = culprits(beats, [r for r, _ in stalled], now=now, timeout=policy.timeout)
-        return Classification(Verdict.STALLED,
-                              f"{desc} (timeout {policy.timeout}s); culprits {list(ranks)}: {why}",
-                              tuple(ranks), steps)
-    return Classification(Verdict.HEALTHY, f"{world_size} ranks progressing, "
-                          f"steps {min(steps.values())}..{max(steps.values())}", (), steps)
+        return Classification(
+            Verdict.STALLED, f"{desc} (timeout {policy.timeout}s); culprits {list(ranks)}: {why}", tuple(ranks), steps
+        )
+    return Classification(
+        Verdict.HEALTHY,
+        f"{world_size} ranks progressing, steps {min(steps.values())}..{max(steps.values())}",
+        (),
+        steps,
+    )
 
 
-def culprits(beats: dict[int, dict], stalled: list[int], *, now: float,
-             timeout: float) -> tuple[list[int], str]:
+def culprits(beats: dict[int, dict], stalled: list[int], *, now: float, timeout: float) -> tuple[list[int], str]:
     """Which of the ``stalled`` ranks hold the gang up. Pure.
 
     In a synchronous gang one stuck rank stalls every rank; replacing only the culprit's
@@ -271,8 +293,11 @@ def find_stragglers(beats: dict[int, dict], *, margin: float) -> list[dict]:
     Returns:
         ``[{"rank", "node", "compute_ms", "median_ms", "slower_by"}]`` for each straggler.
     """
-    times = {r: float(b["compute_ms"]) for r, b in beats.items()
-             if b.get("state") == RankState.TRAINING.value and b.get("compute_ms")}
+    times = {
+        r: float(b["compute_ms"])
+        for r, b in beats.items()
+        if b.get("state") == RankState.TRAINING.value and b.get("compute_ms")
+    }
     out = []
     for r, t in sorted(times.items()):
         others = sorted(v for k, v in times.items() if k != r)
@@ -281,8 +306,15 @@ def find_stragglers(beats: dict[int, dict], *, margin: float) -> list[dict]:
         mid = len(others) // 2
         median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
         if median > 0 and t > (1 + margin) * median:
-            out.append({"rank": r, "node": beats[r].get("node"), "compute_ms": round(t, 3),
-                        "median_ms": round(median, 3), "slower_by": round(t / median - 1, 3)})
+            out.append(
+                {
+                    "rank": r,
+                    "node": beats[r].get("node"),
+                    "compute_ms": round(t, 3),
+                    "median_ms": round(median, 3),
+                    "slower_by": round(t / median - 1, 3),
+                }
+            )
     return out
 
 

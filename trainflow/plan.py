@@ -47,10 +47,13 @@ def check_devices(spec: TrainingSpec, inventory: list[dict]) -> list[dict]:
     fit = [h for h in inventory if h["devices"] >= spec.nproc_per_node]
     if not fit:
         best = max(inventory, key=lambda h: h["devices"])
-        raise SpecError("nproc_per_node", spec.nproc_per_node,
-                        f"no host of queue {spec.queue!r} has that many devices (the largest, "
-                        f"{best['host']}, has {best['devices']}); use at most {best['devices']}, "
-                        f"or more nodes with fewer ranks each")
+        raise SpecError(
+            "nproc_per_node",
+            spec.nproc_per_node,
+            f"no host of queue {spec.queue!r} has that many devices (the largest, "
+            f"{best['host']}, has {best['devices']}); use at most {best['devices']}, "
+            f"or more nodes with fewer ranks each",
+        )
     return fit
 
 
@@ -58,9 +61,17 @@ KEEP_ALIVE_S = 1
 KEEP_ALIVE_MISSES = 3
 
 
-def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
-               rdzv_endpoint: str, rdzv_backend: str = "trainflow-db",
-               env: dict[str, str] | None = None, max_restarts: int | None = None) -> dict[str, Any]:
+def build_plan(
+    spec: TrainingSpec,
+    *,
+    dag_id: str,
+    run_id: str,
+    run_dir: str,
+    rdzv_endpoint: str,
+    rdzv_backend: str = "trainflow-db",
+    env: dict[str, str] | None = None,
+    max_restarts: int | None = None,
+) -> dict[str, Any]:
     """Lay ``spec`` out over its nodes.
 
     Args:
@@ -110,8 +121,12 @@ def build_plan(spec: TrainingSpec, *, dag_id: str, run_id: str, run_dir: str,
         # ones as agents join (a spare that steps in takes the lost node's).
         "spares": spec.spares,
         "nodes": [
-            {"node": i, "queue": queue, "role": "member" if i < spec.max_nodes else "spare",
-             "ranks": list(range(i * k, (i + 1) * k)) if i < spec.max_nodes else []}
+            {
+                "node": i,
+                "queue": queue,
+                "role": "member" if i < spec.max_nodes else "spare",
+                "ranks": list(range(i * k, (i + 1) * k)) if i < spec.max_nodes else [],
+            }
             for i in range(spec.max_nodes + spec.spares)
         ],
     }

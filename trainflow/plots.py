@@ -6,10 +6,16 @@ from pathlib import Path
 
 from trainflow import timeline
 
-_MARKS = {"fault_injected": ("tab:red", "fault"), "stall_detected": ("tab:orange", "detected"),
-          "resumed": ("tab:green", "resumed"), "user_error": ("black", "user error"),
-          "crash_loop": ("black", "crash loop"), "checkpoint_failed": ("tab:purple", "save failed"),
-          "membership": ("tab:blue", "gang size/members changed"), "grow_window": ("tab:cyan", "grow window")}
+_MARKS = {
+    "fault_injected": ("tab:red", "fault"),
+    "stall_detected": ("tab:orange", "detected"),
+    "resumed": ("tab:green", "resumed"),
+    "user_error": ("black", "user error"),
+    "crash_loop": ("black", "crash loop"),
+    "checkpoint_failed": ("tab:purple", "save failed"),
+    "membership": ("tab:blue", "gang size/members changed"),
+    "grow_window": ("tab:cyan", "grow window"),
+}
 
 
 def throughput_series(curve: list[dict], *, global_batch: int | None = None) -> list[tuple[float, float]]:
@@ -54,8 +60,11 @@ def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:
     from trainflow.goodput import fault_records, summarize
 
     events = timeline.read(run_dir)
-    points = [(e["time"], e["step"]) for e in events
-              if e["event"] in ("gang_start", "first_step", "checkpoint_stall", "resumed") and "step" in e]
+    points = [
+        (e["time"], e["step"])
+        for e in events
+        if e["event"] in ("gang_start", "first_step", "checkpoint_stall", "resumed") and "step" in e
+    ]
     if not points:
         return None
     curve = timeline.read_lines(Path(run_dir) / "curve.jsonl")
@@ -68,21 +77,28 @@ def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:
     for e in events:
         if e["event"] in _MARKS:
             color, label = _MARKS[e["event"]]
-            ax.axvline(e["time"] - t0, color=color, ls="--", lw=1,
-                       label=None if label in seen else label)
+            ax.axvline(e["time"] - t0, color=color, ls="--", lw=1, label=None if label in seen else label)
             seen.add(label)
     for f in fault_records(events):
         if "resumed_time" in f:
-            ax.axvspan(f["time"] - t0, f["resumed_time"] - t0, color="tab:red", alpha=0.12,
-                       label=None if "downtime" in seen else "downtime")
+            ax.axvspan(
+                f["time"] - t0,
+                f["resumed_time"] - t0,
+                color="tab:red",
+                alpha=0.12,
+                label=None if "downtime" in seen else "downtime",
+            )
             seen.add("downtime")
     steps = max(s for _, s in points)
     good = summarize(run_dir, started=t0, ended=t1, steps=steps)
     ax.set_xlabel("seconds since the gang started")
     ax.set_ylabel("step")
-    ax.set_title(f"{Path(run_dir).name}: goodput {100 * good['goodput']:.1f}% — "
-                 f"{len(good['faults'])} faults, {good['recovery_s']:.1f}s recovering, "
-                 f"{good['steps_lost']} steps redone", fontsize=9)
+    ax.set_title(
+        f"{Path(run_dir).name}: goodput {100 * good['goodput']:.1f}% — "
+        f"{len(good['faults'])} faults, {good['recovery_s']:.1f}s recovering, "
+        f"{good['steps_lost']} steps redone",
+        fontsize=9,
+    )
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     # Throughput over the same time axis, the downtimes shaded again.
@@ -104,8 +120,12 @@ def progress_plot(run_dir: Path, out: Path | None = None) -> Path | None:
             runs.append([])
         runs[-1].append(c)
     for i, part in enumerate(runs):
-        lx.plot([c["step"] for c in part], [c["loss"] for c in part], lw=1,
-                label="loss" if i == 0 else ("redone after a fault" if i == 1 else None))
+        lx.plot(
+            [c["step"] for c in part],
+            [c["loss"] for c in part],
+            lw=1,
+            label="loss" if i == 0 else ("redone after a fault" if i == 1 else None),
+        )
     lx.set_xlabel("step")
     lx.set_ylabel("training loss (rank 0)")
     if curve:

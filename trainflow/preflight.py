@@ -50,7 +50,8 @@ def chip_extension(family) -> None:
             f"chip family {family.name!r} needs the {family.extension!r} extension (pip package "
             f"{family.package!r}), which is not installed on this worker; install it, or serve "
             f"queue {queue_for(family.name)!r} "
-            f"only from workers that have it")
+            f"only from workers that have it"
+        )
 
 
 def chip_health(family, *, timeout: float = 30.0) -> Check:
@@ -60,8 +61,12 @@ def chip_health(family, *, timeout: float = 30.0) -> Check:
 
     probe = run_cli(family, family.health_cmd, timeout=timeout, field_name="health_cmd")
     where = f"{family.name}: {probe.command}: " if probe.command else f"{family.name}: "
-    return Check("chip_health", probe.ok, where + probe.detail + (_NOT_INSTALLED if probe.missing else ""),
-                 devices=len(probe.devices) if probe.parsed else None)
+    return Check(
+        "chip_health",
+        probe.ok,
+        where + probe.detail + (_NOT_INSTALLED if probe.missing else ""),
+        devices=len(probe.devices) if probe.parsed else None,
+    )
 
 
 def device_count(family, devices: int | None, nproc: int) -> Check | None:
@@ -69,8 +74,12 @@ def device_count(family, devices: int | None, nproc: int) -> Check | None:
     if not family.has_devices or devices is None:
         return None
     ok = devices >= nproc
-    return Check("devices", ok, f"{devices} {family.device_type} device(s) listed, nproc_per_node={nproc}"
-                 + ("" if ok else "; lower nproc_per_node or route the run to bigger hosts"))
+    return Check(
+        "devices",
+        ok,
+        f"{devices} {family.device_type} device(s) listed, nproc_per_node={nproc}"
+        + ("" if ok else "; lower nproc_per_node or route the run to bigger hosts"),
+    )
 
 
 def free_disk(checkpoint_root: Path, *, newest_bytes: int, min_free_mb: float) -> Check:
@@ -81,8 +90,12 @@ def free_disk(checkpoint_root: Path, *, newest_bytes: int, min_free_mb: float) -
     free = shutil.disk_usage(root).free
     need = max(int(min_free_mb * 2**20), 2 * newest_bytes)
     ok = free >= need
-    return Check("free_disk", ok, f"{free / 2**20:.0f} MiB free on {root}, "
-                 f"{need / 2**20:.0f} MiB needed" + ("" if ok else "; free space or lower keep_last"))
+    return Check(
+        "free_disk",
+        ok,
+        f"{free / 2**20:.0f} MiB free on {root}, "
+        f"{need / 2**20:.0f} MiB needed" + ("" if ok else "; free space or lower keep_last"),
+    )
 
 
 def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0, backend: str = "c10d") -> Check:
@@ -108,8 +121,15 @@ def rendezvous_reachable(endpoint: str, *, timeout: float = 5.0, backend: str = 
         return Check("rendezvous", False, f"{endpoint} unreachable from this host: {exc}")
 
 
-def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = None,
-        policy: CordonPolicy | None = None, now: float | None = None) -> list[Check]:
+def run(
+    plan: dict,
+    node: int,
+    *,
+    host: str,
+    registry: HostRegistry | None = None,
+    policy: CordonPolicy | None = None,
+    now: float | None = None,
+) -> list[Check]:
     """Every check for ``node`` of ``plan`` on ``host``; raises if any fails.
 
     Raises:
@@ -133,9 +153,15 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
         healed = health.ok
         if healed:
             registry.uncordon(host)
-        checks.append(Check("cordon", healed, f"host {host} cordoned since {cordon.since:.0f} "
-                            f"({cordon.reason}); health check "
-                            f"{'passed: cordon lifted' if healed else 'failed'}"))
+        checks.append(
+            Check(
+                "cordon",
+                healed,
+                f"host {host} cordoned since {cordon.since:.0f} "
+                f"({cordon.reason}); health check "
+                f"{'passed: cordon lifted' if healed else 'failed'}",
+            )
+        )
     elif not health.ok and not health.detail.endswith(_NOT_INSTALLED):
         registry.cordon(host, reason=f"chip health check failed: {health.detail}", now=now)
     checks.append(health)
@@ -146,12 +172,13 @@ def run(plan: dict, node: int, *, host: str, registry: HostRegistry | None = Non
     # job, not worth a full read of the checkpoint at every node start.
     newest = next(iter(list_checkpoints(ckpt_root)), None)
     floor = float(os.environ.get("TRAINFLOW_PREFLIGHT_MIN_FREE_MB", MIN_FREE_MB))
-    checks.append(free_disk(ckpt_root, newest_bytes=committed_bytes(newest[1]) if newest else 0,
-                            min_free_mb=floor))
-    checks.append(rendezvous_reachable(plan["rendezvous"]["endpoint"],
-                                       backend=plan["rendezvous"].get("backend", "c10d")))
+    checks.append(free_disk(ckpt_root, newest_bytes=committed_bytes(newest[1]) if newest else 0, min_free_mb=floor))
+    checks.append(
+        rendezvous_reachable(plan["rendezvous"]["endpoint"], backend=plan["rendezvous"].get("backend", "c10d"))
+    )
     failed = [c for c in checks if not c.ok]
     if failed:
-        raise PreflightError(f"node {node} on host {host} failed preflight: "
-                             + "; ".join(f"{c.name}: {c.detail}" for c in failed))
+        raise PreflightError(
+            f"node {node} on host {host} failed preflight: " + "; ".join(f"{c.name}: {c.detail}" for c in failed)
+        )
     return checks

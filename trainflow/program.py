@@ -56,11 +56,26 @@ CONTRACT = {
 # Names ``program_env`` may not set: the contract's, and what the chip families' visibility
 # and trainflow's own launch rely on.
 RESERVED_ENV = frozenset(CONTRACT) | {
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "CUDA_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "XPU_VISIBLE_DEVICES",
-    "MUSA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PATH", "HOME",
-    "USER", "OMP_NUM_THREADS",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "MLU_VISIBLE_DEVICES",
+    "XPU_VISIBLE_DEVICES",
+    "MUSA_VISIBLE_DEVICES",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PATH",
+    "HOME",
+    "USER",
+    "OMP_NUM_THREADS",
 }
 RESERVED_PREFIXES = ("TRAINFLOW_", "TORCHELASTIC_", "AIRFLOW_", "AIRFLOW__")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -75,8 +90,10 @@ ROOTS_ENV = "TRAINFLOW_PROGRAM_ROOTS"
 MODULES_ENV = "TRAINFLOW_PROGRAM_MODULES"
 DEFAULT_MODULES = "trainflow.worker,programs"
 
-ARGV_FIX = ('a list of strings, e.g. ["python", "-m", "myteam.train", "--out", "{checkpoint_dir}"] '
-            "(an argv, never a shell string)")
+ARGV_FIX = (
+    'a list of strings, e.g. ["python", "-m", "myteam.train", "--out", "{checkpoint_dir}"] '
+    "(an argv, never a shell string)"
+)
 
 
 def check_syntax(program: Any, program_env: Any, working_dir: str) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -103,8 +120,12 @@ def check_syntax(program: Any, program_env: Any, working_dir: str) -> tuple[tupl
             raise SpecError(f"program[{i}]", arg[:80] + "…", f"at most {MAX_ARG_CHARS} characters")
         for name in placeholders_in(arg, field=f"program[{i}]"):
             if name not in PLACEHOLDERS:
-                raise SpecError(f"program[{i}]", arg, f"unknown placeholder {{{name}}}; use "
-                                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} (or {{{{ }}}} for a brace)")
+                raise SpecError(
+                    f"program[{i}]",
+                    arg,
+                    f"unknown placeholder {{{name}}}; use "
+                    f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} (or {{{{ }}}} for a brace)",
+                )
     if argv and argv[0] == "":
         raise SpecError("program[0]", "", "the program to run: 'python' (with '-m module' or a script) or a path")
     if argv and argv[0] == PYTHON:
@@ -119,14 +140,20 @@ def check_syntax(program: Any, program_env: Any, working_dir: str) -> tuple[tupl
     env = {}
     for name, value in program_env.items():
         if not isinstance(name, str) or not ENV_NAME.match(name):
-            raise SpecError("program_env", name, "variable names are letters, digits and '_', not starting "
-                            "with a digit")
+            raise SpecError(
+                "program_env", name, "variable names are letters, digits and '_', not starting with a digit"
+            )
         if name in RESERVED_ENV or name.startswith(RESERVED_PREFIXES):
-            raise SpecError(f"program_env.{name}", value, f"{name} is set by trainflow's launch (the "
-                            f"contract, the chip's visibility or the worker's interpreter); remove it")
+            raise SpecError(
+                f"program_env.{name}",
+                value,
+                f"{name} is set by trainflow's launch (the "
+                f"contract, the chip's visibility or the worker's interpreter); remove it",
+            )
         if not isinstance(value, str) or "\x00" in value or len(value) > MAX_ENV_VALUE:
-            raise SpecError(f"program_env.{name}", value, f"a string without NUL bytes, at most "
-                            f"{MAX_ENV_VALUE} characters")
+            raise SpecError(
+                f"program_env.{name}", value, f"a string without NUL bytes, at most {MAX_ENV_VALUE} characters"
+            )
         env[name] = value
     if working_dir and not working_dir.startswith("/"):
         raise SpecError("working_dir", working_dir, "an absolute path, or empty for the run's workspace")
@@ -183,15 +210,22 @@ def check_place(argv: Sequence[str], working_dir: str = "", env: Mapping[str, st
         module = argv[2]
         prefixes = allowed_modules(env)
         if not any(module == p or module.startswith(p + ".") for p in prefixes):
-            raise SpecError("program[2]", module, f"modules run from {', '.join(prefixes)} only; put the "
-                            f"program there or add its package to {MODULES_ENV}")
+            raise SpecError(
+                "program[2]",
+                module,
+                f"modules run from {', '.join(prefixes)} only; put the "
+                f"program there or add its package to {MODULES_ENV}",
+            )
         try:
             found = importlib.util.find_spec(module)
         except (ImportError, ValueError):
             found = None
         if found is None:
-            raise SpecError("program[2]", module, "no such module on the workers' Python path; install "
-                            "the package on the workers or fix the name")
+            raise SpecError(
+                "program[2]",
+                module,
+                "no such module on the workers' Python path; install the package on the workers or fix the name",
+            )
         return f"python -m {module}"
     script_field, script = ("program[1]", argv[1]) if argv[0] == PYTHON else ("program[0]", argv[0])
     path = Path(script)
@@ -202,8 +236,12 @@ def check_place(argv: Sequence[str], working_dir: str = "", env: Mapping[str, st
     real = path.resolve()
     roots = allowed_roots(env)
     if not any(real == root or root in real.parents for root in roots):
-        raise SpecError(script_field, script, f"scripts run from {ROOTS_ENV} only "
-                        f"({os.pathsep.join(map(str, roots)) or 'none set'}); put it there or add its directory")
+        raise SpecError(
+            script_field,
+            script,
+            f"scripts run from {ROOTS_ENV} only "
+            f"({os.pathsep.join(map(str, roots)) or 'none set'}); put it there or add its directory",
+        )
     if not real.is_file():
         raise SpecError(script_field, script, "no such file on this host; install it on the workers")
     if argv[0] != PYTHON and not os.access(real, os.X_OK):

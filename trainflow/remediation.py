@@ -63,10 +63,21 @@ def ended_member(states: dict[int, str], *, me: int) -> tuple[int, str] | None:
 def end_for_member(run_dir: Path, node: int, state: str, *, now: float) -> str:
     """Write the abort record for a gang member that ended for good (see ``ended_member``)
     and return its message."""
-    message = (f"node {node}'s task is {state} with no retry to come (marked {state} by a user, "
-               f"or its tries spent): the gang cannot become whole, so the run ended")
-    if abort(run_dir, {"rank": None, "node": node, "kind": "member_ended", "type": "GangMemberEnded",
-                       "message": message, "time": now}):
+    message = (
+        f"node {node}'s task is {state} with no retry to come (marked {state} by a user, "
+        f"or its tries spent): the gang cannot become whole, so the run ended"
+    )
+    if abort(
+        run_dir,
+        {
+            "rank": None,
+            "node": node,
+            "kind": "member_ended",
+            "type": "GangMemberEnded",
+            "message": message,
+            "time": now,
+        },
+    ):
         record(run_dir, "member_ended", node=node, state=state, message=message)
     return message
 
@@ -96,8 +107,12 @@ def provisioned(run_dir: Path, plan_path: Path, previous_epoch: int, *, now: flo
     write_json_atomic(Path(plan_path), {**plan, "epoch": epoch})
     if previous_epoch:
         cleared = clear_abort(run_dir, now=now)
-        record(run_dir, "provisioned_again", epoch=epoch,
-               after=(cleared or {}).get("message", "a failure without an abort record"))
+        record(
+            run_dir,
+            "provisioned_again",
+            epoch=epoch,
+            after=(cleared or {}).get("message", "a failure without an abort record"),
+        )
     return epoch
 
 
@@ -134,8 +149,15 @@ def request_node_restart(run_dir: Path, result: Classification, now: float) -> l
     nodes = sorted({int(beats[r]["node"]) for r in result.ranks if r in beats})
     for node in nodes:
         _request(run_dir, node, {"time": now, "reason": result.message, "ranks": list(result.ranks)})
-    record(run_dir, "stall_detected", verdict=result.verdict.value, ranks=list(result.ranks),
-           nodes=nodes, steps={str(k): v for k, v in result.steps.items()}, message=result.message)
+    record(
+        run_dir,
+        "stall_detected",
+        verdict=result.verdict.value,
+        ranks=list(result.ranks),
+        nodes=nodes,
+        steps={str(k): v for k, v in result.steps.items()},
+        message=result.message,
+    )
     return nodes
 
 
@@ -146,11 +168,20 @@ def exclude_straggler(run_dir: Path, straggler: dict, *, checkpoint_step: int, n
     the replacement resumes from it and loses only the restart time.
     """
     node = int(straggler["node"])
-    reason = (f"straggler: rank {straggler['rank']} computes {straggler['compute_ms']} ms/step, "
-              f"{100 * straggler['slower_by']:.0f}% slower than its peers' median "
-              f"{straggler['median_ms']} ms")
+    reason = (
+        f"straggler: rank {straggler['rank']} computes {straggler['compute_ms']} ms/step, "
+        f"{100 * straggler['slower_by']:.0f}% slower than its peers' median "
+        f"{straggler['median_ms']} ms"
+    )
     _request(run_dir, node, {"time": now, "reason": reason, "ranks": [straggler["rank"]], "cordon": True})
     step = read_all(Path(run_dir) / "heartbeats").get(straggler["rank"], {}).get("step")
-    record(run_dir, "straggler_excluded", node=node, rank=straggler["rank"], step=step,
-           checkpoint_step=checkpoint_step, message=reason)
+    record(
+        run_dir,
+        "straggler_excluded",
+        node=node,
+        rank=straggler["rank"],
+        step=step,
+        checkpoint_step=checkpoint_step,
+        message=reason,
+    )
     return node

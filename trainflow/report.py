@@ -23,12 +23,18 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
     for p in sorted((run_dir / "nodes").glob("node-*.json")):
         status = json.loads(p.read_text())
         nodes[str(status["node"])] = status
-    errors = [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank-*.json"))] \
-        if (run_dir / "errors").is_dir() else []
+    errors = (
+        [json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("rank-*.json"))]
+        if (run_dir / "errors").is_dir()
+        else []
+    )
     starts = [float(n["started"]) for n in nodes.values() if "started" in n]
     ends = [float(n["ended"]) for n in nodes.values() if "ended" in n]
-    goodput = summarize(run_dir, started=min(starts), ended=max(ends),
-                        steps=int(plan["spec"]["steps"])) if starts and ends else None
+    goodput = (
+        summarize(run_dir, started=min(starts), ended=max(ends), steps=int(plan["spec"]["steps"]))
+        if starts and ends
+        else None
+    )
     if goodput:
         goodput["faults"], goodput["membership"] = newest(goodput["faults"]), newest(goodput["membership"])
     return {
@@ -41,17 +47,25 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
         "world_size": plan["world_size"],
         "queue": plan["queue"],
         "nodes": nodes,
-        "ranks": {str(r): {k: b.get(k) for k in ("node", "step", "loss", "samples_per_s", "state")}
-                  for r, b in sorted(current_gang(beats, plan["world_size"])[0].items())},
+        "ranks": {
+            str(r): {k: b.get(k) for k in ("node", "step", "loss", "samples_per_s", "state")}
+            for r, b in sorted(current_gang(beats, plan["world_size"])[0].items())
+        },
         "checkpoint": checkpoint,
         "metrics": metrics,
         # Bounded: each list keeps its newest items, each message its head (``bounds``).
-        "stragglers": newest([{k: v for k, v in e.items() if k != "event"}
-                              for e in events if e["event"] == "straggler"]),
-        "membership": newest([{k: v for k, v in e.items() if k != "event"}
-                              for e in events if e["event"] == "membership"]),
-        "errors": newest([{"rank": e.get("rank"), "type": clip(e.get("type"), 200),
-                           "message": clip(e.get("message"))} for e in errors]),
+        "stragglers": newest(
+            [{k: v for k, v in e.items() if k != "event"} for e in events if e["event"] == "straggler"]
+        ),
+        "membership": newest(
+            [{k: v for k, v in e.items() if k != "event"} for e in events if e["event"] == "membership"]
+        ),
+        "errors": newest(
+            [
+                {"rank": e.get("rank"), "type": clip(e.get("type"), 200), "message": clip(e.get("message"))}
+                for e in errors
+            ]
+        ),
     }
 
 

@@ -30,8 +30,7 @@ class AirflowClient:
 
     def token(self) -> str:
         if self._token is None:
-            out = self._call("POST", "/auth/token",
-                             {"username": self.username, "password": self.password}, auth=False)
+            out = self._call("POST", "/auth/token", {"username": self.username, "password": self.password}, auth=False)
             self._token = out["access_token"]
         return self._token
 
@@ -120,23 +119,30 @@ class AirflowClient:
         out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances?limit=1000")
         return out["task_instances"]
 
-    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value",
-             map_index: int = -1) -> Any:
-        out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
-                               f"{_q(task_id)}/xcomEntries/{_q(key)}?map_index={map_index}&deserialize=true")
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value", map_index: int = -1) -> Any:
+        out = self.call(
+            "GET",
+            f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
+            f"{_q(task_id)}/xcomEntries/{_q(key)}?map_index={map_index}&deserialize=true",
+        )
         return out["value"]
 
     def state_store(self, dag_id: str, run_id: str, task_id: str, key: str, map_index: int = -1) -> Any:
         """A task's ``task_state_store`` value (survives the task's retries)."""
-        out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
-                               f"{_q(task_id)}/state-store/{_q(key)}?map_index={map_index}")
+        out = self.call(
+            "GET",
+            f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
+            f"{_q(task_id)}/state-store/{_q(key)}?map_index={map_index}",
+        )
         return out["value"]
 
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1,
-                 map_index: int = -1) -> str:
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1, map_index: int = -1) -> str:
         """The task's log as text (one line per structured log event)."""
-        out = self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
-                               f"{_q(task_id)}/logs/{try_number}?map_index={map_index}&full_content=true")
+        out = self.call(
+            "GET",
+            f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/"
+            f"{_q(task_id)}/logs/{try_number}?map_index={map_index}&full_content=true",
+        )
         content = out.get("content", [])
         if isinstance(content, str):
             return content
@@ -145,8 +151,7 @@ class AirflowClient:
     def runs(self, dag_id: str) -> list[dict]:
         return self.call("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns?limit=100")["dag_runs"]
 
-    def wait_run(self, dag_id: str, run_id: str, timeout: float, poll: float = 1.0,
-                 on_poll=None) -> dict:
+    def wait_run(self, dag_id: str, run_id: str, timeout: float, poll: float = 1.0, on_poll=None) -> dict:
         deadline = time.time() + timeout
         while True:
             run = self.run(dag_id, run_id)

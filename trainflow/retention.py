@@ -63,13 +63,15 @@ class Retention:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
                 raise SpecError(f"retention.{f.name}", value, "must be a number >= 0")
         if self.abandoned_days < self.workspace_days:
-            raise SpecError("retention.abandoned_days", self.abandoned_days,
-                            f"must be >= workspace_days ({self.workspace_days}): an unfinished "
-                            "run is kept at least as long as a finished one")
+            raise SpecError(
+                "retention.abandoned_days",
+                self.abandoned_days,
+                f"must be >= workspace_days ({self.workspace_days}): an unfinished "
+                "run is kept at least as long as a finished one",
+            )
         if self.log_max_bytes < 4096:
             raise SpecError("retention.log_max_bytes", self.log_max_bytes, "must be >= 4096")
 
@@ -118,8 +120,7 @@ def run_dirs(root: Path):
                     yield run
 
 
-def prune_workspaces(root: Path, policy: Retention, now: float | None = None,
-                     dry_run: bool = False) -> list[dict]:
+def prune_workspaces(root: Path, policy: Retention, now: float | None = None, dry_run: bool = False) -> list[dict]:
     """Delete the workspaces of runs released more than ``workspace_days`` ago, and of runs
     nothing was written to for ``abandoned_days``. Returns what was (or would be) removed."""
     now = time.time() if now is None else now
@@ -148,13 +149,11 @@ def prune_workspaces(root: Path, policy: Retention, now: float | None = None,
                     parent.rmdir()
                 except OSError:
                     break
-        removed.append({"path": str(run), "why": why, "age_days": round(age / DAY, 2),
-                        "bytes": nbytes})
+        removed.append({"path": str(run), "why": why, "age_days": round(age / DAY, 2), "bytes": nbytes})
     return removed
 
 
-def prune_logs(logs: Path, policy: Retention, now: float | None = None,
-               dry_run: bool = False) -> dict:
+def prune_logs(logs: Path, policy: Retention, now: float | None = None, dry_run: bool = False) -> dict:
     """Delete log files under ``logs``' subfolders older than ``log_days`` (Airflow's
     ``dag_id=…/run_id=…`` task logs, the DAG processor's dated folders) and the folders
     that leaves empty. Files at the top level are the components' own: see ``rotate``."""
@@ -217,8 +216,7 @@ def rotate_component_logs(logs: Path, policy: Retention) -> list[str]:
     logs = Path(logs)
     if not logs.is_dir():
         return []
-    return [p.name for p in sorted(logs.glob("*.log"))
-            if rotate(p, policy.log_max_bytes, policy.log_keep)]
+    return [p.name for p in sorted(logs.glob("*.log")) if rotate(p, policy.log_max_bytes, policy.log_keep)]
 
 
 def prune_state(db=None, policy: Retention | None = None, now: float | None = None) -> dict:
@@ -234,8 +232,8 @@ def prune_state(db=None, policy: Retention | None = None, now: float | None = No
     out = alloc.prune(now)
     with closing(hosts._connect()) as con:
         out["host_failures"] = con.execute(
-            "DELETE FROM host_failures WHERE time < ?",
-            (now - policy.host_failure_days * DAY,)).rowcount
+            "DELETE FROM host_failures WHERE time < ?", (now - policy.host_failure_days * DAY,)
+        ).rowcount
     return out
 
 
@@ -246,9 +244,25 @@ def state_rows(db=None) -> dict[str, int]:
 
     alloc, hosts = Allocator(db), HostRegistry(db)
     out = {}
-    for store, tables in ((alloc, ("pools", "leases", "offline", "quotas", "waiting", "pool_policies",
-                                   "estimates", "run_history", "preemptible", "preemptions", "host_leases")),
-                          (hosts, ("host_failures", "cordons", "inventory"))):
+    for store, tables in (
+        (
+            alloc,
+            (
+                "pools",
+                "leases",
+                "offline",
+                "quotas",
+                "waiting",
+                "pool_policies",
+                "estimates",
+                "run_history",
+                "preemptible",
+                "preemptions",
+                "host_leases",
+            ),
+        ),
+        (hosts, ("host_failures", "cordons", "inventory")),
+    ):
         with closing(store._connect()) as con:
             for t in tables:
                 out[t] = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
@@ -260,10 +274,25 @@ def state_rows(db=None) -> dict[str, int]:
 # tables). Not ``dag``: those rows are the DAGs themselves (cut by last parse time, which
 # fails on a DAG whose versions runs still reference), and not the archive tables.
 AIRFLOW_TABLES = (
-    "dag_run", "task_instance", "task_instance_history", "task_reschedule", "task_state_store", "xcom",
-    "log", "job", "trigger", "callback", "deadline", "asset_event", "partitioned_asset_key_log",
-    "dag_version", "import_error", "revoked_token", "connection_test_request",
-    "celery_taskmeta", "celery_tasksetmeta",
+    "dag_run",
+    "task_instance",
+    "task_instance_history",
+    "task_reschedule",
+    "task_state_store",
+    "xcom",
+    "log",
+    "job",
+    "trigger",
+    "callback",
+    "deadline",
+    "asset_event",
+    "partitioned_asset_key_log",
+    "dag_version",
+    "import_error",
+    "revoked_token",
+    "connection_test_request",
+    "celery_taskmeta",
+    "celery_tasksetmeta",
 )
 
 # The youngest metadata rows `airflow db clean` may cut: well past any live component's
@@ -285,15 +314,17 @@ def running_since(sql_alchemy_conn: str, ended_after: float | None = None) -> fl
     try:
         with engine.connect() as con:
             if ended_after is None:
-                oldest = con.execute(sqlalchemy.text(
-                    "SELECT MIN(start_date) FROM dag_run WHERE state = 'running'")).scalar()
+                oldest = con.execute(
+                    sqlalchemy.text("SELECT MIN(start_date) FROM dag_run WHERE state = 'running'")
+                ).scalar()
             else:
                 since = datetime.fromtimestamp(ended_after, tz=timezone.utc)
                 if engine.dialect.name == "sqlite":  # naive UTC text, compared as text
                     since = since.replace(tzinfo=None).isoformat(sep=" ")
-                oldest = con.execute(sqlalchemy.text(
-                    "SELECT MIN(start_date) FROM dag_run WHERE state = 'running' OR end_date > :since"),
-                    {"since": since}).scalar()
+                oldest = con.execute(
+                    sqlalchemy.text("SELECT MIN(start_date) FROM dag_run WHERE state = 'running' OR end_date > :since"),
+                    {"since": since},
+                ).scalar()
     finally:
         engine.dispose()
     if oldest is None:
@@ -305,8 +336,13 @@ def running_since(sql_alchemy_conn: str, ended_after: float | None = None) -> fl
     return oldest.timestamp()
 
 
-def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "airflow",
-                  dry_run: bool = False, keep_after: float | None = None) -> list[str]:
+def db_clean_argv(
+    policy: Retention,
+    now: float | None = None,
+    airflow: str = "airflow",
+    dry_run: bool = False,
+    keep_after: float | None = None,
+) -> list[str]:
     """``airflow db clean`` for metadata rows older than ``airflow_days`` (no archive tables:
     archiving would only move the growth). Nothing at or after ``keep_after`` is cut (the
     runs still in flight: see ``running_since``)."""
@@ -317,13 +353,30 @@ def db_clean_argv(policy: Retention, now: float | None = None, airflow: str = "a
     if keep_after is not None:
         cut = min(cut, keep_after)
     cutoff = datetime.fromtimestamp(cut, tz=timezone.utc)
-    argv = [airflow, "db", "clean", "--clean-before-timestamp", cutoff.isoformat(timespec="seconds"),
-            "--tables", ",".join(AIRFLOW_TABLES), "--skip-archive", "--yes", "--error-on-cleanup-failure"]
+    argv = [
+        airflow,
+        "db",
+        "clean",
+        "--clean-before-timestamp",
+        cutoff.isoformat(timespec="seconds"),
+        "--tables",
+        ",".join(AIRFLOW_TABLES),
+        "--skip-archive",
+        "--yes",
+        "--error-on-cleanup-failure",
+    ]
     return argv + (["--dry-run"] if dry_run else [])
 
 
-def clean_airflow_db(policy: Retention, sql_alchemy_conn: str, *, airflow: str, dry_run: bool = False,
-                     keep_after: float | None = None, now: float | None = None) -> dict:
+def clean_airflow_db(
+    policy: Retention,
+    sql_alchemy_conn: str,
+    *,
+    airflow: str,
+    dry_run: bool = False,
+    keep_after: float | None = None,
+    now: float | None = None,
+) -> dict:
     """Run ``airflow db clean`` on the metadata database at ``sql_alchemy_conn`` (a
     subprocess: Airflow's own code does the deleting), never past the start of a run still in
     flight or that ended within ``airflow_days`` (a run is kept that long after it ends), nor
@@ -336,22 +389,41 @@ def clean_airflow_db(policy: Retention, sql_alchemy_conn: str, *, airflow: str, 
     if keep_after is not None:
         bounds.append(keep_after)
     argv = db_clean_argv(policy, now, airflow=airflow, dry_run=dry_run, keep_after=min(bounds, default=None))
-    done = subprocess.run(argv, env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sql_alchemy_conn},
-                          capture_output=True, text=True, timeout=3600)
-    return {"argv": argv, "before": argv[argv.index("--clean-before-timestamp") + 1],
-            "exit_code": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
+    done = subprocess.run(
+        argv,
+        env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sql_alchemy_conn},
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    return {
+        "argv": argv,
+        "before": argv[argv.index("--clean-before-timestamp") + 1],
+        "exit_code": done.returncode,
+        "output": (done.stdout + done.stderr)[-4000:],
+    }
 
 
-def sweep(*, workspaces: Path | None, logs: Path | None, db=None,
-          policy: Retention | None = None, now: float | None = None, dry_run: bool = False) -> dict:
+def sweep(
+    *,
+    workspaces: Path | None,
+    logs: Path | None,
+    db=None,
+    policy: Retention | None = None,
+    now: float | None = None,
+    dry_run: bool = False,
+) -> dict:
     """One retention pass over everything but Airflow's metadata (see ``db_clean_argv``)."""
     policy = policy or Retention.from_env()
     now = time.time() if now is None else now
     out: dict = {"policy": asdict(policy), "time": now, "dry_run": dry_run}
     if workspaces is not None:
         gone = prune_workspaces(workspaces, policy, now, dry_run)
-        out["workspaces"] = {"removed": len(gone), "bytes": sum(g["bytes"] for g in gone),
-                             "runs": [g["path"] for g in gone][:100]}
+        out["workspaces"] = {
+            "removed": len(gone),
+            "bytes": sum(g["bytes"] for g in gone),
+            "runs": [g["path"] for g in gone][:100],
+        }
     if logs is not None:
         out["logs"] = prune_logs(logs, policy, now, dry_run)
         out["rotated"] = [] if dry_run else rotate_component_logs(logs, policy)

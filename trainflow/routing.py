@@ -26,7 +26,7 @@ def node_queue(task_id: str, conf: Mapping[str, Any] | None, current: str | None
         return None
     model = conf.get("chip_model")
     if model is None and chip == base and current and current != "cpu":
-        model = current[len(chip) + 1:]  # the DAG's own model of the same family
+        model = current[len(chip) + 1 :]  # the DAG's own model of the same family
     if model is not None and (not isinstance(model, str) or (model and not _MODEL.match(model))):
         return None
     return queue_for(chip, model or None)
@@ -38,8 +38,15 @@ def host_queue(queue: str, host: str) -> str:
     return f"{queue.split('@', 1)[0]}@{host}"
 
 
-def placed_queue(task_id: str, dag_id: str, run_id: str, map_index: int | None, try_number: int,
-                 queue: str, route: Callable[[str, str, int, int], str | None]) -> str | None:
+def placed_queue(
+    task_id: str,
+    dag_id: str,
+    run_id: str,
+    map_index: int | None,
+    try_number: int,
+    queue: str,
+    route: Callable[[str, str, int, int], str | None],
+) -> str | None:
     """The host queue a try of a node task goes to, or None (it keeps ``queue``).
 
     Args:

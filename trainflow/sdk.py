@@ -86,9 +86,13 @@ class _Progress:
         self.total = int(spec.get("steps", 0))
         self.interval = float(spec.get("heartbeat_interval", 1.0))
         self.batch = int(spec.get("batch_size", 1))
-        self.beat = HeartbeatWriter(Path(os.environ.get("TRAINFLOW_PROGRESS") or _run_dir() / "heartbeats"),
-                                    rank=rank(), node=int(os.environ.get("TRAINFLOW_NODE", "0")),
-                                    interval=self.interval, world=world_size())
+        self.beat = HeartbeatWriter(
+            Path(os.environ.get("TRAINFLOW_PROGRESS") or _run_dir() / "heartbeats"),
+            rank=rank(),
+            node=int(os.environ.get("TRAINFLOW_NODE", "0")),
+            interval=self.interval,
+            world=world_size(),
+        )
         self.beat.beat(step=resume_step(), total=self.total, state=RankState.STARTING, force=True)
         self.beat.start_pulse()
         self.first = True
@@ -122,15 +126,24 @@ def report(step: int, **metrics: float) -> None:
         t0, s0 = p.window
         p.samples_per_s = (step - s0) / (now - t0) * p.batch
         p.window = (now, step)
-    p.beat.beat(step=int(step), total=p.total, state=RankState.TRAINING, loss=values.get("loss"),
-                samples_per_s=p.samples_per_s, checkpoint_step=p.last_checkpoint, metrics=values)
+    p.beat.beat(
+        step=int(step),
+        total=p.total,
+        state=RankState.TRAINING,
+        loss=values.get("loss"),
+        samples_per_s=p.samples_per_s,
+        checkpoint_step=p.last_checkpoint,
+        metrics=values,
+    )
     if rank() == 0:
         if p.first:
             record(_run_dir(), "first_step", step=int(step))
         if p.first or now - p.curve_t >= p.interval or step >= p.total:
             p.curve_t = now
-            append(_run_dir() / "curve.jsonl", {"time": now, "step": int(step), "world": world_size(),
-                                                "loss": values.get("loss"), "metrics": values})
+            append(
+                _run_dir() / "curve.jsonl",
+                {"time": now, "step": int(step), "world": world_size(), "loss": values.get("loss"), "metrics": values},
+            )
     p.first = False
 
 
@@ -140,8 +153,7 @@ def done(step: int, **metrics: float) -> None:
     if p is None:
         return
     report(step, **metrics)
-    p.beat.beat(step=int(step), total=p.total, state=RankState.DONE, force=True,
-                checkpoint_step=p.last_checkpoint)
+    p.beat.beat(step=int(step), total=p.total, state=RankState.DONE, force=True, checkpoint_step=p.last_checkpoint)
 
 
 @contextlib.contextmanager
@@ -176,8 +188,13 @@ class Checkpoint:
         self.committed = False
         p = _state()
         if p is not None:
-            p.beat.beat(step=self.step, total=p.total, state=RankState.CHECKPOINTING, force=True,
-                        checkpoint_step=p.last_checkpoint)
+            p.beat.beat(
+                step=self.step,
+                total=p.total,
+                state=RankState.CHECKPOINTING,
+                force=True,
+                checkpoint_step=p.last_checkpoint,
+            )
 
     def commit(self) -> None:
         """This rank's files are complete. Once every rank committed, trainflow writes the
@@ -217,8 +234,9 @@ def commit_dir(step: int, source: str | os.PathLike) -> None:
     marks.mkdir(parents=True, exist_ok=True)
     mark = marks / f"rank-{rank():05d}.json"
     tmp = mark.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank(), "world": world_size(), "time": time.time(),
-                               "source": str(Path(source).resolve())}))
+    tmp.write_text(
+        json.dumps({"rank": rank(), "world": world_size(), "time": time.time(), "source": str(Path(source).resolve())})
+    )
     os.replace(tmp, mark)
     p = _state()
     if p is not None:

@@ -92,23 +92,31 @@ class EmbeddedStack:
             raise ValueError(f"TRAINFLOW_PROFILE={profile!r}: use embedded or distributed")
         missing = [k for k in ("TRAINFLOW_AIRFLOW_DB", "TRAINFLOW_BROKER_URL", "TRAINFLOW_STATE_DB") if not env.get(k)]
         if missing:
-            raise ValueError(f"TRAINFLOW_PROFILE=distributed needs {', '.join(missing)} (e.g. "
-                             f"postgresql+psycopg2://postgres@127.0.0.1:5432/airflow, redis://127.0.0.1:6379/0, "
-                             f"postgresql://postgres@127.0.0.1:5432/trainflow)")
+            raise ValueError(
+                f"TRAINFLOW_PROFILE=distributed needs {', '.join(missing)} (e.g. "
+                f"postgresql+psycopg2://postgres@127.0.0.1:5432/airflow, redis://127.0.0.1:6379/0, "
+                f"postgresql://postgres@127.0.0.1:5432/trainflow)"
+            )
         workers = []
         for word in env.get("TRAINFLOW_WORKERS", "control=default cpu-1=cpu cpu-2=cpu").split():
             name, _, queues = word.partition("=")
             if not name or not queues:
                 raise ValueError(f"TRAINFLOW_WORKERS: {word!r} is not name=queue[,queue]")
-            workers.append({"name": name, "queues": queues,
-                            "concurrency": 4 if "default" in queues.split(",") else 1})
-        return cls(database_url=env["TRAINFLOW_AIRFLOW_DB"], broker_url=env["TRAINFLOW_BROKER_URL"],
-                   state_db=env["TRAINFLOW_STATE_DB"], workers=tuple(workers), **kw)
+            workers.append({"name": name, "queues": queues, "concurrency": 4 if "default" in queues.split(",") else 1})
+        return cls(
+            database_url=env["TRAINFLOW_AIRFLOW_DB"],
+            broker_url=env["TRAINFLOW_BROKER_URL"],
+            state_db=env["TRAINFLOW_STATE_DB"],
+            workers=tuple(workers),
+            **kw,
+        )
 
     def __post_init__(self) -> None:
         if self.broker_url and not self.database_url:
-            raise ValueError("the CeleryExecutor (broker_url) needs database_url: Celery keeps its "
-                             "results there, and SQLite cannot serve several worker hosts")
+            raise ValueError(
+                "the CeleryExecutor (broker_url) needs database_url: Celery keeps its "
+                "results there, and SQLite cannot serve several worker hosts"
+            )
         if self.workers and not self.broker_url:
             raise ValueError("workers are Celery workers: set broker_url")
 
@@ -130,8 +138,11 @@ class EmbeddedStack:
     def _secrets(self) -> dict[str, str]:
         if not self.secrets_file.exists():
             self.home.mkdir(parents=True, exist_ok=True)
-            data = {"admin_password": secrets.token_urlsafe(12), "jwt_secret": secrets.token_urlsafe(32),
-                    "secret_key": secrets.token_urlsafe(32)}
+            data = {
+                "admin_password": secrets.token_urlsafe(12),
+                "jwt_secret": secrets.token_urlsafe(32),
+                "secret_key": secrets.token_urlsafe(32),
+            }
             fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 json.dump(data, fh)
@@ -184,26 +195,30 @@ class EmbeddedStack:
         # no metadata database access of their own in Airflow 3.
         metadata = self.database_url or f"sqlite:///{self.home / 'airflow.db'}"
         env["AIRFLOW_CONN_TRAINFLOW_METADATA_DB"] = json.dumps(
-            {"conn_type": "generic", "extra": {"sql_alchemy_conn": metadata}})
+            {"conn_type": "generic", "extra": {"sql_alchemy_conn": metadata}}
+        )
         if self.broker_url:
-            env.update({
-                # the CeleryExecutor, routing node tasks to the hosts trainflow placed them on
-                "AIRFLOW__CORE__EXECUTOR": "executors.placement.PlacementCeleryExecutor",
-                "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
-                # SQLAlchemy 2.1 needs the driver named.
-                "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url,
-                # Longer than the longest training task, or Redis redelivers a running node task.
-                "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "604800",
-                "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
-            })
+            env.update(
+                {
+                    # the CeleryExecutor, routing node tasks to the hosts trainflow placed them on
+                    "AIRFLOW__CORE__EXECUTOR": "executors.placement.PlacementCeleryExecutor",
+                    "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
+                    # SQLAlchemy 2.1 needs the driver named.
+                    "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url,
+                    # Longer than the longest training task, or Redis redelivers a running node task.
+                    "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "604800",
+                    "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
+                }
+            )
         if self.state_db:
             env["TRAINFLOW_STATE_DB"] = self.state_db
         if self.allow_faults:
             env["TRAINFLOW_ALLOW_FAULTS"] = "1"
         if self.task_heartbeat_timeout:
             env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(self.task_heartbeat_timeout)
-            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL"] = \
-                str(max(1.0, self.task_heartbeat_timeout / 5))
+            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL"] = str(
+                max(1.0, self.task_heartbeat_timeout / 5)
+            )
         env.update(self.extra_env)
         return env
 
@@ -239,8 +254,13 @@ class EmbeddedStack:
         self.trainflow_home.mkdir(parents=True, exist_ok=True)
         user, password = self.credentials()
         (self.home / "passwords.json").write_text(json.dumps({user: password}))
-        subprocess.run([self._airflow(), "db", "migrate"], env=self.env(), check=True,
-                       stdout=open(self.home / "logs" / "db-migrate.log", "ab"), stderr=subprocess.STDOUT)
+        subprocess.run(
+            [self._airflow(), "db", "migrate"],
+            env=self.env(),
+            check=True,
+            stdout=open(self.home / "logs" / "db-migrate.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         self.register_hosts()
 
     def register_hosts(self) -> None:
@@ -254,8 +274,14 @@ class EmbeddedStack:
         Allocator(db).set_pool("embedded", self.node_slots)
         hosts = HostRegistry(db)
         cpus = os.cpu_count() or 1
-        hosts.register(host_name(), queue="cpu", family="cpu", devices=cpus, pool="embedded",
-                       labels={"profile": "embedded", "node-slots": str(self.node_slots)})
+        hosts.register(
+            host_name(),
+            queue="cpu",
+            family="cpu",
+            devices=cpus,
+            pool="embedded",
+            labels={"profile": "embedded", "node-slots": str(self.node_slots)},
+        )
         for w in self.workers:
             queue = next((q for q in w["queues"].split(",") if q != "default"), None)
             if queue is not None:
@@ -268,18 +294,32 @@ class EmbeddedStack:
         worker = next(w for w in self.workers if f"worker-{w['name']}" == component)
         from trainflow.launch.local import free_port
 
-        env.update({"TRAINFLOW_HOST": worker["name"],
-                    # each worker serves its task logs on a port of its own
-                    "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-                    **worker.get("env", {})})
+        env.update(
+            {
+                "TRAINFLOW_HOST": worker["name"],
+                # each worker serves its task logs on a port of its own
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                **worker.get("env", {}),
+            }
+        )
         from trainflow.cli import with_host_queues
 
         # and its own queue of each chip queue, where trainflow's placement sends node tasks
         queues = with_host_queues(worker["queues"], worker["name"])
-        return [*worker.get("wrap", ()), self._airflow(), "celery", "worker", "--queues", queues,
-                "--concurrency", str(worker.get("concurrency", 4)),
-                "--celery-hostname", f"{worker['name']}@%h",
-                "--pid", str(self.home / "run" / f"celery-{worker['name']}.pid")], env
+        return [
+            *worker.get("wrap", ()),
+            self._airflow(),
+            "celery",
+            "worker",
+            "--queues",
+            queues,
+            "--concurrency",
+            str(worker.get("concurrency", 4)),
+            "--celery-hostname",
+            f"{worker['name']}@%h",
+            "--pid",
+            str(self.home / "run" / f"celery-{worker['name']}.pid"),
+        ], env
 
     def start(self) -> list[str]:
         """Start every component that is not running; return the ones started."""
@@ -289,10 +329,16 @@ class EmbeddedStack:
                 continue
             cmd, env = self._command(component)
             log = open(self.home / "logs" / f"{component}.log", "ab")
-            proc = subprocess.Popen(cmd, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.home,
-                                    preexec_fn=lambda: os.nice(CONTROL_PLANE_NICE))
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.home,
+                preexec_fn=lambda: os.nice(CONTROL_PLANE_NICE),
+            )
             self._pidfile(component).write_text(str(proc.pid))
             started.append(component)
         return started

@@ -35,7 +35,7 @@ def is_postgres(target: str | Path) -> bool:
 
 def sqlite_path(target: str | Path) -> Path:
     text = str(target)
-    return Path(text[len("sqlite:///"):] if text.startswith("sqlite:///") else text)
+    return Path(text[len("sqlite:///") :] if text.startswith("sqlite:///") else text)
 
 
 def redact(target: str | Path) -> str:

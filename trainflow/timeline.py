@@ -28,8 +28,10 @@ def append(path: Path, obj: dict) -> None:
             if len(line.encode()) < MAX_LINE:
                 break
         else:  # still too long (many fields): keep what identifies the event
-            line = json.dumps({k: obj[k] for k in ("time", "event", "step", "rank", "kind") if k in obj}
-                              | {"clipped": True}, sort_keys=True)
+            line = json.dumps(
+                {k: obj[k] for k in ("time", "event", "step", "rank", "kind") if k in obj} | {"clipped": True},
+                sort_keys=True,
+            )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         if os.geteuid() == 0:  # a root writer (task, agent) must not take the file from the

@@ -35,9 +35,16 @@ def shared_stack(request, tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("stack")
     # Users' programs may run from the repository's examples (tests/e2e/test_programs.py).
     examples = Path(__file__).resolve().parents[2] / "examples"
-    s = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                      allow_faults=True, extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection(),
-                                                    "TRAINFLOW_PROGRAM_ROOTS": str(examples)})
+    s = EmbeddedStack(
+        home=root / "airflow",
+        trainflow_home=root / "trainflow",
+        port=free_port(),
+        allow_faults=True,
+        extra_env={
+            "AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection(),
+            "TRAINFLOW_PROGRAM_ROOTS": str(examples),
+        },
+    )
     request.config.trainflow_idle_stacks = [*getattr(request.config, "trainflow_idle_stacks", []), s]
     try:
         s.up(timeout=240)
@@ -86,8 +93,7 @@ def _wait_training(client, dag_id: str, run_id: str, past_step: int, timeout: fl
             if len(beats) == ranks and min(b["step"] for b in beats.values()) > past_step:
                 return run_dir
         time.sleep(0.3)
-    raise AssertionError(f"{dag_id}/{run_id}: its {ranks} ranks never trained past step {past_step} "
-                         f"within {timeout} s")
+    raise AssertionError(f"{dag_id}/{run_id}: its {ranks} ranks never trained past step {past_step} within {timeout} s")
 
 
 @pytest.fixture(scope="session")

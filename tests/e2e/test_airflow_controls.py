@@ -17,8 +17,15 @@ from trainflow.timeline import read as read_timeline
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
-CONF = {"steps": 300, "checkpoint_interval": 50, "heartbeat_interval": 0.5, "heartbeat_timeout": 8.0,
-        "startup_timeout": 120.0, "tenant": "controls", "seed": 11}
+CONF = {
+    "steps": 300,
+    "checkpoint_interval": 50,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 8.0,
+    "startup_timeout": 120.0,
+    "tenant": "controls",
+    "seed": 11,
+}
 # Mark failed → run ended: node 1 asks Airflow for the gang's states every 5 s, then the
 # abort stops its agent, the watch and the downstream tasks; release frees the nodes.
 END_BOUND_S = 30.0
@@ -57,8 +64,11 @@ def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(clie
 
     # "Mark failed" on node 0, as the UI does it.
     marked = time.time()
-    client.call("PATCH", f"/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/shard_train/0",
-                {"new_state": "failed", "note": "marked failed in a test"})
+    client.call(
+        "PATCH",
+        f"/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/shard_train/0",
+        {"new_state": "failed", "note": "marked failed in a test"},
+    )
     run = client.wait_run(DAG, run_id, timeout=300, poll=0.5)
     ended_after = time.time() - marked
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
@@ -78,8 +88,11 @@ def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(clie
     newest = max(e["step"] for e in read_timeline(run_dir) if e["event"] == "checkpoint_committed")
 
     # "Clear" the whole failed run, as the UI does it: it is provisioned again and resumes.
-    client.call("POST", f"/api/v2/dags/{DAG}/clearTaskInstances",
-                {"dry_run": False, "dag_run_id": run_id, "only_failed": False, "reset_dag_runs": True})
+    client.call(
+        "POST",
+        f"/api/v2/dags/{DAG}/clearTaskInstances",
+        {"dry_run": False, "dag_run_id": run_id, "only_failed": False, "reset_dag_runs": True},
+    )
     run = client.wait_run(DAG, run_id, timeout=600)
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
     assert run["state"] == "success", tis

@@ -10,8 +10,15 @@ DAG = "train_digits"
 # heartbeat_timeout must exceed a worker restart (python + import torch + rendezvous), or a
 # process fault that torch elastic heals inside the node looks like a hang: ~4 s on a quiet
 # 2-core machine, far more under load.
-CONF = {"steps": 300, "checkpoint_interval": 50, "heartbeat_interval": 0.5,
-        "heartbeat_timeout": 8.0, "startup_timeout": 120.0, "tenant": "chaos", "seed": 11}
+CONF = {
+    "steps": 300,
+    "checkpoint_interval": 50,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 8.0,
+    "startup_timeout": 120.0,
+    "tenant": "chaos",
+    "seed": 11,
+}
 
 
 def _run(client, run_id, faults=(), timeout=600):
@@ -104,8 +111,9 @@ def _timeline(client, run_id, event):
 
 def test_heartbeats_withheld_past_the_timeout_replace_the_node(client, clean_long):
     run_id = "chaos-delay-heartbeats"
-    client.trigger(DAG, {**LONG, "faults": [{"kind": "delay_heartbeats", "rank": 1, "step": 500,
-                                             "seconds": 30}]}, run_id=run_id)
+    client.trigger(
+        DAG, {**LONG, "faults": [{"kind": "delay_heartbeats", "rank": 1, "step": 500, "seconds": 30}]}, run_id=run_id
+    )
     run = client.wait_run(DAG, run_id, timeout=900)
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
     assert run["state"] == "success", tis
@@ -129,8 +137,16 @@ def test_straggler_is_reported_and_excluded_after_the_next_checkpoint(client, cl
     run_id = "chaos-straggler"
     # Margin 1.0: the injected straggler is ~4× slower; two ranks sharing two busy cores
     # differ by up to ~70% from noise alone.
-    client.trigger(DAG, {**LONG, "exclude_stragglers": True, "straggler_margin": 1.0,
-                         "faults": [{"kind": "slow_rank", "rank": 1, "step": 100}]}, run_id=run_id)
+    client.trigger(
+        DAG,
+        {
+            **LONG,
+            "exclude_stragglers": True,
+            "straggler_margin": 1.0,
+            "faults": [{"kind": "slow_rank", "rank": 1, "step": 100}],
+        },
+        run_id=run_id,
+    )
     run = client.wait_run(DAG, run_id, timeout=900)
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
     assert run["state"] == "success", tis
@@ -147,8 +163,9 @@ def test_straggler_is_reported_and_excluded_after_the_next_checkpoint(client, cl
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_long
 
 
-def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_identical(client, stack, clean_long,
-                                                                                     wait_training):
+def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_identical(
+    client, stack, clean_long, wait_training
+):
     """Priority preemption applied end to end (4-node pool): a preemptible 2-node run
     trains; a 3-node run of priority 10 arrives and cannot fit; the first is ordered to
     stop, commits a checkpoint, gives its nodes back and waits deferred in the queue; the
@@ -161,8 +178,11 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_iden
     low, hi = "chaos-preempted", "chaos-preemptor"
     client.trigger(DAG, {**LONG, "preemptible": True}, run_id=low)
     wait_training(client, DAG, low, past_step=400)
-    client.trigger(DAG, {**CONF, "steps": 60, "checkpoint_interval": 30, "nodes": 3, "priority": 10,
-                         "tenant": "chaos-hi"}, run_id=hi)
+    client.trigger(
+        DAG,
+        {**CONF, "steps": 60, "checkpoint_interval": 30, "nodes": 3, "priority": 10, "tenant": "chaos-hi"},
+        run_id=hi,
+    )
     assert client.wait_run(DAG, hi, timeout=600)["state"] == "success"
     assert client.wait_run(DAG, low, timeout=900)["state"] == "success"
     assert client.xcom(DAG, low, "evaluate", "metrics")["weights_sha256"] == clean_long
@@ -175,10 +195,16 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_bit_iden
     assert {e["node"] for e in ordered} == {0, 1} and "priority 10 > 0" in ordered[0]["reason"]
     for node in (0, 1):
         assert client.xcom(DAG, low, "shard_train", "preempted", map_index=node) == {
-            "by": stop["by"], "step": stop["step"], "forced": False}
+            "by": stop["by"],
+            "step": stop["step"],
+            "forced": False,
+        }
     # The preemptor trained only once the preempted gang had stopped and given its nodes back.
-    started = min(datetime.fromisoformat(t["start_date"]).timestamp()
-                  for t in client.task_instances(DAG, hi) if t["task_id"] == "shard_train")
+    started = min(
+        datetime.fromisoformat(t["start_date"]).timestamp()
+        for t in client.task_instances(DAG, hi)
+        if t["task_id"] == "shard_train"
+    )
     assert started >= stop["time"]
     allocator = Allocator(stack.trainflow_home / "state.db")
     assert allocator.leases() == [] and allocator.queue("embedded") == []

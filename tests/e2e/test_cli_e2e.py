@@ -25,8 +25,20 @@ def cli_env(stack, client, monkeypatch):
 
 
 def test_submit_watch_status_runs_logs(cli_env, capsys):
-    code = main(["submit", "--set", "steps=120", "--set", "checkpoint_interval=60", "--set", "tenant=cli",
-                 "--run-id", "cli-1", "--watch"])
+    code = main(
+        [
+            "submit",
+            "--set",
+            "steps=120",
+            "--set",
+            "checkpoint_interval=60",
+            "--set",
+            "tenant=cli",
+            "--run-id",
+            "cli-1",
+            "--watch",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "submitted train_digits/cli-1" in out and "success" in out and "120/120" in out
@@ -46,7 +58,8 @@ def test_cancel_stops_a_live_run_and_watch_reports_it(cli_env, capsys):
     assert main(["submit", "--set", "steps=20000", "--set", "tenant=cli", "--run-id", "cli-cancel"]) == 0
     deadline = time.time() + 300
     while time.time() < deadline and not any(  # training has started
-            t["task_id"] == "shard_train" and t["state"] == "running" for t in cli_env.task_instances(DAG, "cli-cancel")):
+        t["task_id"] == "shard_train" and t["state"] == "running" for t in cli_env.task_instances(DAG, "cli-cancel")
+    ):
         time.sleep(1)
     assert main(["cancel", "cli-cancel"]) == 0
     assert "cancelled train_digits/cli-cancel" in capsys.readouterr().out

@@ -54,8 +54,15 @@ dag = training_dag("{PLACED}", defaults={{"workload": "digits", "nodes": 2, "ste
                    node_pool="cpu", description="train_digits, placed on registered hosts")
 """
 # The clean run and the run that loses a host: same conf, so the same final weights.
-CONF = {"steps": 600, "checkpoint_interval": 100, "keep_last": 2, "seed": 5,
-        "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0, "startup_timeout": 240.0}
+CONF = {
+    "steps": 600,
+    "checkpoint_interval": 100,
+    "keep_last": 2,
+    "seed": 5,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 10.0,
+    "startup_timeout": 240.0,
+}
 
 
 class RedisServer:
@@ -72,9 +79,23 @@ class RedisServer:
 
         import redis
 
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--dir", str(self.root), "--appendonly", "yes", "--save", ""],
-                                     stdout=open(self.root / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.root),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+            ],
+            stdout=open(self.root / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 30
         while True:
             try:
@@ -123,14 +144,21 @@ def dist_stack(tmp_path_factory, s3_server):
         broker.stop()
         pytest.fail(f"the distributed e2e needs network namespaces for its hosts: {exc}")
     stack = EmbeddedStack(
-        home=root / "airflow", trainflow_home=root / "trainflow", port=port, dags_folder=dags,
+        home=root / "airflow",
+        trainflow_home=root / "trainflow",
+        port=port,
+        dags_folder=dags,
         database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
         broker_url=broker.url,
         state_db=f"postgresql://postgres@127.0.0.1:5432/{state}",
-        workers=tuple({"name": h, "queues": "cpu", "concurrency": 1, "wrap": net.wrap(h), "env": net.env(h)}
-                      for h in HOSTS) + ({"name": "control", "queues": "default", "concurrency": 4},),
-        task_heartbeat_timeout=20, allow_faults=True,
-        extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()})
+        workers=tuple(
+            {"name": h, "queues": "cpu", "concurrency": 1, "wrap": net.wrap(h), "env": net.env(h)} for h in HOSTS
+        )
+        + ({"name": "control", "queues": "default", "concurrency": 4},),
+        task_heartbeat_timeout=20,
+        allow_faults=True,
+        extra_env={"AIRFLOW_CONN_TRAINFLOW_S3": s3_server.airflow_connection()},
+    )
     stack.broker, stack.net = broker, net
     try:
         stack.up(timeout=300)
@@ -181,8 +209,10 @@ def test_a_gang_runs_across_namespaced_hosts_on_postgres_redis_and_s3(dist_stack
 def _diagnosis(client, allocator, stack, dag_id: str, run_id: str, run_dir: Path) -> str:
     """What a stuck run looked like: its task tries (state, queue, host), the host leases with
     the try each slot was last routed for, the node markers and the tail of each agent log."""
-    lines = [f"{t['task_id']}[{t['map_index']}] {t['state']} try={t['try_number']} queue={t['queue']} "
-             f"host={t['hostname']}" for t in client.task_instances(dag_id, run_id)]
+    lines = [
+        f"{t['task_id']}[{t['map_index']}] {t['state']} try={t['try_number']} queue={t['queue']} host={t['hostname']}"
+        for t in client.task_instances(dag_id, run_id)
+    ]
     with closing(allocator._connect()) as con:
         lines += [f"host_lease {row}" for row in con.execute("SELECT * FROM host_leases")]
         lines += [f"cordon {row}" for row in con.execute("SELECT * FROM cordons")]
@@ -190,9 +220,14 @@ def _diagnosis(client, allocator, stack, dag_id: str, run_id: str, run_dir: Path
         lines += [f"--- {path.name}", *path.read_text(errors="replace").splitlines()[-15:]]
     log = Path(stack.home) / "logs" / "scheduler.log"
     if log.exists():
-        lines += ["--- scheduler.log (placement)",
-                  *[x for x in log.read_text(errors="replace").splitlines() if "placed by trainflow" in x
-                    or "placement of" in x][-20:]]
+        lines += [
+            "--- scheduler.log (placement)",
+            *[
+                x
+                for x in log.read_text(errors="replace").splitlines()
+                if "placed by trainflow" in x or "placement of" in x
+            ][-20:],
+        ]
     return "\n".join(lines)
 
 
@@ -204,14 +239,16 @@ def _host_of_node(net: HostNetwork, node: int, run_id: str) -> str | None:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"trainflow.launch.agent" in argv and argv[argv.index(b"--node") + 1] == str(node).encode() \
-                    and run_id.encode() in b" ".join(argv):
+            if (
+                b"trainflow.launch.agent" in argv
+                and argv[argv.index(b"--node") + 1] == str(node).encode()
+                and run_id.encode() in b" ".join(argv)
+            ):
                 return host
     return None
 
 
-def test_a_host_dies_mid_run_and_its_node_resumes_from_s3_on_the_spare_host(dist_stack, s3_server, clean,
-                                                                             run_to_end):
+def test_a_host_dies_mid_run_and_its_node_resumes_from_s3_on_the_spare_host(dist_stack, s3_server, clean, run_to_end):
     """Rank 0's node (the one uploading checkpoints) loses its host: every process in the
     namespace is killed, its Celery worker with them, and the run's local checkpoints go
     with it. The lost task instance fails by its heartbeat (20 s here), Airflow retries it
@@ -246,6 +283,7 @@ def test_a_host_dies_mid_run_and_its_node_resumes_from_s3_on_the_spare_host(dist
         for step_dir in (run_dir / "checkpoints").glob("step-*"):
             shutil.rmtree(step_dir, ignore_errors=True)
         killed.update(host=host, processes=len(pids), s3_steps=store.steps(), at=time.time())
+
     killer = threading.Thread(target=kill_host_once_in_s3, daemon=True)
     killer.start()
     run_to_end(client, DAG, _s3_conf(s3_server, "dist-kill"), run_id, timeout=1200)
@@ -261,8 +299,10 @@ def test_a_host_dies_mid_run_and_its_node_resumes_from_s3_on_the_spare_host(dist
     log = client.task_log(DAG, run_id, "shard_train", tis[("shard_train", 0)]["try_number"], map_index=0)
     resumed = [line for line in log.splitlines() if "resume point: verified checkpoint step" in line]
     assert resumed and any(f"step {s} " in resumed[0] for s in killed["s3_steps"]), (resumed, killed)
-    assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == \
-        client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
+    assert (
+        client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"]
+        == client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
+    )
     dist_stack.start()  # the host comes back for the next test
 
 
@@ -289,6 +329,7 @@ def test_a_redis_restart_mid_run_does_not_lose_the_run(dist_stack, run_to_end):
         time.sleep(3)
         dist_stack.broker.start()
         restarted.set()
+
     watcher = threading.Thread(target=restart_when_training, daemon=True)
     watcher.start()
     run_to_end(client, DAG, conf, run_id, timeout=900)
@@ -353,8 +394,10 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
     # logging at once and the scheduler retried it, the 20-s task heartbeat timeout of this
     # stack), so the runs get a retry budget of five instead of the default two.
     steps, retries = 3000, 5
-    runs = {"dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps, "retries": retries},
-            "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps, "retries": retries}}
+    runs = {
+        "dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps, "retries": retries},
+        "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps, "retries": retries},
+    }
     keys = {f"{c['tenant']}/{DAG}/{r}": 2 for r, c in runs.items()}
     dirs = {r: Path(dist_stack.trainflow_home) / "runs" / c["tenant"] / DAG / r for r, c in runs.items()}
     for run_id, conf in runs.items():
@@ -400,14 +443,17 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
         assert run["state"] == "success", {k: (t["state"], t["try_number"]) for k, t in tis.items()}
         resumed = [e["step"] for e in read(dirs[run_id]) if e["event"] == "resumed"]
         # One resume per stop, each from a checkpoint at least as new as the newest before it.
-        assert len(resumed) >= 2 and resumed[0] >= first[run_id] and resumed[-1] >= floor[run_id], \
-            (run_id, resumed, first, floor)
+        assert len(resumed) >= 2 and resumed[0] >= first[run_id] and resumed[-1] >= floor[run_id], (
+            run_id,
+            resumed,
+            first,
+            floor,
+        )
         assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean_weights, run_id
     assert allocator.leases() == []
 
 
-def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free_host(dist_stack, clean,
-                                                                                    run_to_end):
+def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free_host(dist_stack, clean, run_to_end):
     """The ``cpu`` hosts are registered in two racks. Run A (2 nodes) is placed in one rack,
     then run B (1 node) on a host of the other; every node task runs on its placed host
     (routed to ``cpu@<host>`` by the executor), never on another run's. A's node 1 host then
@@ -451,25 +497,33 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
 
     def kill_node_1_host() -> None:
         deadline = time.time() + 600
-        while time.time() < deadline and not ((ref := manifest.newest_verified(run_dir / "checkpoints"))
-                                              and ref.step >= 200):
+        while time.time() < deadline and not (
+            (ref := manifest.newest_verified(run_dir / "checkpoints")) and ref.step >= 200
+        ):
             time.sleep(0.5)
         host = _host_of_node(dist_stack.net, 1, a)
         if host is None:
             return
-        killed["free"] = sorted(set(HOSTS) - set(allocator.placement(f"place-a/{PLACED}/{a}").values())
-                                - set(allocator.placement(f"place-b/{PLACED}/{b}").values()))
+        killed["free"] = sorted(
+            set(HOSTS)
+            - set(allocator.placement(f"place-a/{PLACED}/{a}").values())
+            - set(allocator.placement(f"place-b/{PLACED}/{b}").values())
+        )
         for pid in dist_stack.net.pids(host):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         killed["host"] = host
+
     killer = threading.Thread(target=kill_node_1_host, daemon=True)
     killer.start()
+
     def stuck(why: str) -> None:
-        pytest.fail(f"{why}; killed {killed}; placement {a_hosts}\n"
-                    + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir))
+        pytest.fail(
+            f"{why}; killed {killed}; placement {a_hosts}\n"
+            + _diagnosis(client, allocator, dist_stack, PLACED, a, run_dir)
+        )
 
     try:
         try:
@@ -477,8 +531,9 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
         except TimeoutError as exc:
             stuck(str(exc))
         killer.join(timeout=5)
-        states = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"])
-                  for t in client.task_instances(PLACED, a)}
+        states = {
+            (t["task_id"], t["map_index"]): (t["state"], t["try_number"]) for t in client.task_instances(PLACED, a)
+        }
         if run["state"] != "success":
             stuck(f"run {a} {run['state']}")
         b_marker = json.loads((run_dir.parents[2] / "place-b" / PLACED / b / "nodes" / "task-0000.json").read_text())
@@ -501,8 +556,10 @@ def test_gangs_are_placed_on_hosts_by_rack_and_a_dead_host_retry_moves_to_a_free
     assert states[("shard_train", 1)][1] >= 2
     retried_on = client.xcom(PLACED, a, "shard_train", map_index=1)["host"]
     assert retried_on == killed["free"][0] and retried_on not in (*a_hosts.values(), b_host)
-    assert client.xcom(PLACED, a, "evaluate", "metrics")["weights_sha256"] == \
-        client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
+    assert (
+        client.xcom(PLACED, a, "evaluate", "metrics")["weights_sha256"]
+        == client.xcom(DAG, clean_id, "evaluate", "metrics")["weights_sha256"]
+    )
     deadline = time.time() + 120  # B's release teardown runs after the cancel
     while time.time() < deadline and allocator.leases():
         time.sleep(1)

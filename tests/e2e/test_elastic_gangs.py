@@ -20,9 +20,18 @@ from trainflow.timeline import read as read_timeline
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
-CONF = {"steps": 1000, "checkpoint_interval": 50, "heartbeat_interval": 0.5, "heartbeat_timeout": 20.0,
-        "startup_timeout": 120.0, "tenant": "elastic", "seed": 5, "batch_size": 16, "record_samples": True,
-        "shrink_grace": 5.0}
+CONF = {
+    "steps": 1000,
+    "checkpoint_interval": 50,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 20.0,
+    "startup_timeout": 120.0,
+    "tenant": "elastic",
+    "seed": 5,
+    "batch_size": 16,
+    "record_samples": True,
+    "shrink_grace": 5.0,
+}
 # The shrunk gang trains the same samples per step (keep_global) but sums gradients of
 # fewer ranks in another order; the difference stays far below this on digits.
 ACCURACY_TOLERANCE = 0.02
@@ -31,8 +40,9 @@ ACCURACY_TOLERANCE = 0.02
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic-stack")
-    stack = EmbeddedStack(home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(),
-                          node_slots=3, allow_faults=True)
+    stack = EmbeddedStack(
+        home=root / "airflow", trainflow_home=root / "trainflow", port=free_port(), node_slots=3, allow_faults=True
+    )
     try:
         stack.up(timeout=240)
         yield stack.client()
@@ -59,8 +69,10 @@ def _training_page(client, run_id) -> dict:
     import json
     import urllib.request
 
-    req = urllib.request.Request(f"{client.base_url}/trainflow/api/runs/{CONF['tenant']}/{DAG}/{run_id}",
-                                 headers={"Authorization": f"Bearer {client.token()}"})
+    req = urllib.request.Request(
+        f"{client.base_url}/trainflow/api/runs/{CONF['tenant']}/{DAG}/{run_id}",
+        headers={"Authorization": f"Bearer {client.token()}"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -100,8 +112,10 @@ def test_a_hot_spare_recovers_faster_than_an_airflow_retry(client):
     # the spare's task ran from the start (try 1); the killed node's retry became the new spare
     (spare,) = change["spares_used"]
     assert tis[("shard_train", spare)]["try_number"] == 1
-    assert client.xcom(DAG, "spare-one", "evaluate", "metrics")["weights_sha256"] == \
-        client.xcom(DAG, "spare-none", "evaluate", "metrics")["weights_sha256"]
+    assert (
+        client.xcom(DAG, "spare-one", "evaluate", "metrics")["weights_sha256"]
+        == client.xcom(DAG, "spare-none", "evaluate", "metrics")["weights_sha256"]
+    )
     with_spare, without = _recovery(client, "spare-one"), _recovery(client, "spare-none")
     print(f"recovery with a hot spare {with_spare:.2f}s, by Airflow retry {without:.2f}s")
     assert with_spare < without
@@ -116,8 +130,7 @@ def clean_full(client):
 
 def test_the_gang_shrinks_when_a_node_is_lost_for_good(client, clean_full):
     run_id = "elastic-shrink"
-    tis = _run(client, run_id, {"nodes": "2:3",
-                                "faults": [{"kind": "lose_node", "rank": 2, "step": 200}]})
+    tis = _run(client, run_id, {"nodes": "2:3", "faults": [{"kind": "lose_node", "rank": 2, "step": 200}]})
     (shrink,) = _events(client, run_id, "membership")
     assert (shrink["change"], shrink["world_from"], shrink["world_to"]) == ("shrink", 3, 2), shrink
     (lost,) = shrink["left"]
@@ -131,8 +144,7 @@ def test_the_gang_shrinks_when_a_node_is_lost_for_good(client, clean_full):
 
 def test_the_gang_grows_back_when_capacity_returns(client, clean_full):
     run_id = "elastic-grow"
-    _run(client, run_id, {"nodes": "2:3",
-                          "faults": [{"kind": "lose_node", "rank": 2, "step": 100, "seconds": 10}]})
+    _run(client, run_id, {"nodes": "2:3", "faults": [{"kind": "lose_node", "rank": 2, "step": 100, "seconds": 10}]})
     changes = _events(client, run_id, "membership")
     assert [c["change"] for c in changes] == ["shrink", "grow"], changes
     grow = changes[1]
@@ -142,7 +154,9 @@ def test_the_gang_grows_back_when_capacity_returns(client, clean_full):
     # Every change is on the training page: its membership table and the faults it ended.
     page = _training_page(client, run_id)
     assert [(m["change"], m["world_from"], m["world_to"]) for m in page["membership"]] == [
-        ("shrink", 3, 2), ("grow", 2, 3)]
+        ("shrink", 3, 2),
+        ("grow", 2, 3),
+    ]
     assert [f["membership"]["change"] for f in page["faults"] if "membership" in f] == ["shrink", "grow"]
     _exact_coverage(client, run_id, CONF["steps"])
     ours = client.xcom(DAG, run_id, "evaluate", "metrics")

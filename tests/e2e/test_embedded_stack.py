@@ -69,16 +69,24 @@ def test_checkpoint_asset_schedules_the_audit_dag(client, finished_run):
         done = [r for r in runs if r["state"] in ("success", "failed")]
         assert all(r["state"] == "success" for r in done), done
         for r in done:
-            mine += [c for c in client.xcom("checkpoint_audit", r["dag_run_id"], "audit") or []
-                     if f"/{run_id}/" in c["path"]]
+            mine += [
+                c for c in client.xcom("checkpoint_audit", r["dag_run_id"], "audit") or [] if f"/{run_id}/" in c["path"]
+            ]
         time.sleep(1)
     assert mine and mine[0]["step"] == 300, mine
 
 
-@pytest.mark.parametrize("conf, field", [
-    ({"nodes": 0}, "nodes"), ({"chip": "tpu"}, "chip"), ({"tenant": "../etc"}, "tenant"),
-    ({"workload": "nosuch"}, "workload"), ({"lr": 0}, "lr"), ({"steps": 0}, "steps"),
-])
+@pytest.mark.parametrize(
+    "conf, field",
+    [
+        ({"nodes": 0}, "nodes"),
+        ({"chip": "tpu"}, "chip"),
+        ({"tenant": "../etc"}, "tenant"),
+        ({"workload": "nosuch"}, "workload"),
+        ({"lr": 0}, "lr"),
+        ({"steps": 0}, "steps"),
+    ],
+)
 def test_rest_refuses_bad_conf_naming_the_field(client, conf, field):
     client.wait_for_dag(DAG)
     with pytest.raises(RestError) as info:
@@ -89,8 +97,9 @@ def test_rest_refuses_bad_conf_naming_the_field(client, conf, field):
 
 def test_cross_field_errors_fail_provision_without_retry(client, stack):
     client.unpause(DAG)
-    run_id = client.trigger(DAG, {"steps": 10, "checkpoint_interval": 50, "tenant": "bad"},
-                            run_id="e2e-bad-1")["dag_run_id"]
+    run_id = client.trigger(DAG, {"steps": 10, "checkpoint_interval": 50, "tenant": "bad"}, run_id="e2e-bad-1")[
+        "dag_run_id"
+    ]
     run = client.wait_run(DAG, run_id, timeout=180)
     assert run["state"] == "failed"
     tis = {t["task_id"]: t for t in client.task_instances(DAG, run_id) if t["map_index"] == -1}
@@ -105,8 +114,11 @@ def test_run_conf_chip_routes_node_tasks_to_the_chip_queue(client):
     """The shipped task_instance_mutation_hook puts the node tasks on the conf's chip queue;
     a worker without the chip's extension stops the run at once, naming the package."""
     client.unpause(DAG)
-    run_id = client.trigger(DAG, {"chip": "ascend", "nodes": 1, "steps": 20, "checkpoint_interval": 10,
-                                  "tenant": "routing"}, run_id="e2e-ascend-1")["dag_run_id"]
+    run_id = client.trigger(
+        DAG,
+        {"chip": "ascend", "nodes": 1, "steps": 20, "checkpoint_interval": 10, "tenant": "routing"},
+        run_id="e2e-ascend-1",
+    )["dag_run_id"]
     run = client.wait_run(DAG, run_id, timeout=240)
     assert run["state"] == "failed"
     tis = {(t["task_id"], t["map_index"]): t for t in client.task_instances(DAG, run_id)}
@@ -146,8 +158,9 @@ def test_three_runs_on_a_pool_that_fits_two_one_waits_deferred(client, stack):
     assert "pool 'embedded': needs 2 nodes, 0 of 4 free" in waiting_xcom[late]["reason"]
     assert client.xcom(DAG, late, "provision", "admission")["state"] == "admitted"
     # It trained only after one of the others had given its nodes back.
-    released = min(t["end_date"] for r in ids if r != late
-                   for t in client.task_instances(DAG, r) if t["task_id"] == "release")
+    released = min(
+        t["end_date"] for r in ids if r != late for t in client.task_instances(DAG, r) if t["task_id"] == "release"
+    )
     started = min(t["start_date"] for t in client.task_instances(DAG, late) if t["task_id"] == "shard_train")
     assert started >= released
     allocator = Allocator(stack.trainflow_home / "state.db")
@@ -174,8 +187,9 @@ def test_maintenance_dag_applies_retention_on_the_stack(client, stack, finished_
     time.sleep(max(0.0, first + AIRFLOW_MIN_AGE_S + 5 - time.time()))
     client.wait_for_dag("trainflow_maintenance", timeout=120)
     client.unpause("trainflow_maintenance")
-    m = client.trigger("trainflow_maintenance", {"workspace_days": 0, "airflow_days": 0},
-                       run_id="e2e-maintenance-1")["dag_run_id"]
+    m = client.trigger("trainflow_maintenance", {"workspace_days": 0, "airflow_days": 0}, run_id="e2e-maintenance-1")[
+        "dag_run_id"
+    ]
     run = client.wait_run("trainflow_maintenance", m, timeout=300)
     assert run["state"] == "success", client.task_log("trainflow_maintenance", m, "retention", 1)
     out = client.xcom("trainflow_maintenance", m, "retention")

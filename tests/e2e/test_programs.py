@@ -30,19 +30,33 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # Each program: its argv (checkpoints every ``every`` steps), its steps, and whether an
 # interrupted run must end with the clean run's very weights (the plain script's promise).
 PROGRAMS = {
-    "plain-ddp": (["python", str(EXAMPLES / "ddp_program.py"), "--steps", "3000", "--every", "300",
-                   "--resume", "{resume_from}"], 3000, 300, True),
-    "hf-trainer": (["python", str(EXAMPLES / "hf_program.py"), "--steps", "300", "--save-steps", "50"],
-                   300, 50, False),
-    "lightning": (["python", str(EXAMPLES / "lightning_program.py"), "--steps", "600", "--every", "100"],
-                  600, 100, False),
+    "plain-ddp": (
+        ["python", str(EXAMPLES / "ddp_program.py"), "--steps", "3000", "--every", "300", "--resume", "{resume_from}"],
+        3000,
+        300,
+        True,
+    ),
+    "hf-trainer": (["python", str(EXAMPLES / "hf_program.py"), "--steps", "300", "--save-steps", "50"], 300, 50, False),
+    "lightning": (
+        ["python", str(EXAMPLES / "lightning_program.py"), "--steps", "600", "--every", "100"],
+        600,
+        100,
+        False,
+    ),
 }
 
 
 def _conf(name: str, tenant: str) -> dict:
     program, steps, every, _ = PROGRAMS[name]
-    return {"tenant": tenant, "steps": steps, "checkpoint_interval": every, "keep_last": 2,
-            "heartbeat_interval": 0.5, "heartbeat_timeout": 60.0, "program": program}
+    return {
+        "tenant": tenant,
+        "steps": steps,
+        "checkpoint_interval": every,
+        "keep_last": 2,
+        "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 60.0,
+        "program": program,
+    }
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
@@ -75,8 +89,9 @@ def test_a_program_trains_over_rest_and_heals_a_rank_killed_from_outside(client,
     # The clean reference trains while the healed run finishes.
     clean = reference(_conf(name, "reference")) if exact else None
     run = client.wait_run(DAG, kill_id, timeout=600)
-    states = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"])
-              for t in client.task_instances(DAG, kill_id)}
+    states = {
+        (t["task_id"], t["map_index"]): (t["state"], t["try_number"]) for t in client.task_instances(DAG, kill_id)
+    }
     assert run["state"] == "success", states
     healed = client.xcom(DAG, kill_id, "evaluate", "metrics")
     assert healed["step"] == steps and "loss" in healed
@@ -102,4 +117,6 @@ def test_a_program_outside_the_allowed_roots_fails_provision_naming_it(client, s
     log = client.task_log(DAG, "prog-bad", "provision", 1)
     assert "invalid program[1]=" in log and "TRAINFLOW_PROGRAM_ROOTS" in log
     assert not (stack.trainflow_home / "runs" / "prog-bad").exists()
-    assert not any(lease.run_key.startswith("prog-bad/") for lease in Allocator(stack.trainflow_home / "state.db").leases())
+    assert not any(
+        lease.run_key.startswith("prog-bad/") for lease in Allocator(stack.trainflow_home / "state.db").leases()
+    )

@@ -18,8 +18,13 @@ DAG = "train_digits"
 
 
 def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(stack, client, s3_server, run_to_end):
-    conf = {"steps": 300, "checkpoint_interval": 100, "keep_last": 2, "tenant": "s3e2e",
-            "store_uri": f"s3://{s3_server.bucket}/e2e"}
+    conf = {
+        "steps": 300,
+        "checkpoint_interval": 100,
+        "keep_last": 2,
+        "tenant": "s3e2e",
+        "store_uri": f"s3://{s3_server.bucket}/e2e",
+    }
     run_id = "s3-digits-1"
     run_to_end(client, DAG, conf, run_id, timeout=600)
 
@@ -34,9 +39,18 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(stack, client, s3_ser
     # The workspace loses its checkpoints; evaluate, cleared, finds the store's copy.
     run_dir = Path(client.xcom(DAG, run_id, "provision", "run_dir"))
     shutil.rmtree(run_dir / "checkpoints")
-    client.call("POST", f"/api/v2/dags/{DAG}/clearTaskInstances",
-                {"dry_run": False, "task_ids": ["evaluate"], "dag_run_id": run_id, "only_failed": False,
-                 "reset_dag_runs": True, "include_downstream": False})
+    client.call(
+        "POST",
+        f"/api/v2/dags/{DAG}/clearTaskInstances",
+        {
+            "dry_run": False,
+            "task_ids": ["evaluate"],
+            "dag_run_id": run_id,
+            "only_failed": False,
+            "reset_dag_runs": True,
+            "include_downstream": False,
+        },
+    )
     run = client.wait_run(DAG, run_id, timeout=300)
     assert run["state"] == "success"
     again = client.xcom(DAG, run_id, "evaluate", "metrics")
@@ -52,8 +66,12 @@ def test_checkpoints_go_to_s3_and_evaluate_reads_them_back(stack, client, s3_ser
     assert secret not in json.dumps(pointer)
     # Nor anywhere on disk: every task log (node tasks too), the run's workspace (plan,
     # heartbeats, report, metrics, timeline) and trainflow's state database.
-    leaked = [p for top in (stack.home / "logs", stack.trainflow_home) for p in top.rglob("*")
-              if p.is_file() and secret.encode() in p.read_bytes()]
+    leaked = [
+        p
+        for top in (stack.home / "logs", stack.trainflow_home)
+        for p in top.rglob("*")
+        if p.is_file() and secret.encode() in p.read_bytes()
+    ]
     assert leaked == []
     # Nor in the training page's API answers (the run list and the run in full).
     import urllib.request

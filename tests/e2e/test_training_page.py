@@ -29,8 +29,13 @@ def get(stack, path: str, headers: dict[str, str] | None = None) -> tuple[int, s
 
 @pytest.fixture(scope="module")
 def finished(client, run_to_end):
-    run_to_end(client, DAG, {"nodes": 2, "steps": 60, "checkpoint_interval": 20, "tenant": "e2e",
-                            "heartbeat_interval": 0.2}, RUN, 600)  # a few loss points even when fast
+    run_to_end(
+        client,
+        DAG,
+        {"nodes": 2, "steps": 60, "checkpoint_interval": 20, "tenant": "e2e", "heartbeat_interval": 0.2},
+        RUN,
+        600,
+    )  # a few loss points even when fast
     return {"Authorization": f"Bearer {client.token()}"}
 
 
@@ -96,8 +101,12 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
     browser.find_element(By.NAME, "username").send_keys(user)
     browser.find_element(By.NAME, "password").send_keys(password)
     browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    wait_for(browser, lambda d: d.current_url.rstrip("/").endswith("/trainflow")
-             and d.find_elements(By.CSS_SELECTOR, "tr.run"), 60, "the list of runs after signing in")
+    wait_for(
+        browser,
+        lambda d: d.current_url.rstrip("/").endswith("/trainflow") and d.find_elements(By.CSS_SELECTOR, "tr.run"),
+        60,
+        "the list of runs after signing in",
+    )
 
     # The live run: its ranks report healthy heartbeats, refreshed without a reload. (Opened
     # once provision made its workspace: before that the API rightly answers 404.)
@@ -106,8 +115,10 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
         assert time.monotonic() < deadline, "the live run was never provisioned"
         time.sleep(1)
     browser.get(f"{stack.url}/trainflow/#e2e/{DAG}/{LIVE}")
-    ranks = ("return [...document.querySelectorAll('#ranks tbody tr')].filter(r => r.cells.length > 4)"
-             ".map(r => [r.cells[2].textContent, +r.cells[4].textContent])")
+    ranks = (
+        "return [...document.querySelectorAll('#ranks tbody tr')].filter(r => r.cells.length > 4)"
+        ".map(r => [r.cells[2].textContent, +r.cells[4].textContent])"
+    )
 
     def live_steps(d) -> list[int]:
         """The live run's ranks' steps when all of them show healthy (else [])."""
@@ -116,22 +127,34 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
         rows = d.execute_script(ranks)
         return [s for _, s in rows] if rows and all(h == "healthy" for h, _ in rows) else []
 
-    wait_for(browser, lambda d: len(steps := live_steps(d)) == 2 and min(steps) > 0, 300,
-             "the live run's two healthy, training ranks")
+    wait_for(
+        browser,
+        lambda d: len(steps := live_steps(d)) == 2 and min(steps) > 0,
+        300,
+        "the live run's two healthy, training ranks",
+    )
     first = min(live_steps(browser) or [0])
-    wait_for(browser, lambda d: min(live_steps(d) or [0]) > first, 60, "the live run's steps advancing without a reload")
+    wait_for(
+        browser, lambda d: min(live_steps(d) or [0]) > first, 60, "the live run's steps advancing without a reload"
+    )
     screenshot(browser, "training-page-live.png")
     links = browser.execute_script("return [...document.querySelectorAll('#tasks a')].map(a => a.href)")
     assert f"{stack.url}/dags/{DAG}/runs/{LIVE}/tasks/shard_train/mapped/1" in links
     assert console_errors(browser) == []
 
     # The finished run: its loss chart, verified checkpoints and evaluation.
-    wait_for(browser, lambda d: d.find_element(By.CSS_SELECTOR, f'tr.run[data-key="e2e/{DAG}/{RUN}"]').click()
-             or True, 10, "the finished run's row")
-    wait_for(browser, lambda d: RUN in text(d, "#detail h2") and "completed" in text(d, "#detail h2"), 30,
-             "the finished run")
+    wait_for(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, f'tr.run[data-key="e2e/{DAG}/{RUN}"]').click() or True,
+        10,
+        "the finished run's row",
+    )
+    wait_for(
+        browser, lambda d: RUN in text(d, "#detail h2") and "completed" in text(d, "#detail h2"), 30, "the finished run"
+    )
     path = browser.execute_script(
-        "return document.querySelector('svg[aria-label=\"training loss by step\"] path').getAttribute('d')")
+        "return document.querySelector('svg[aria-label=\"training loss by step\"] path').getAttribute('d')"
+    )
     # The loss chart: one point per recorded loss (one per heartbeat interval: how many a
     # 60-step run records depends on the machine's speed, so compare with the API's curve).
     curve = json.loads(get(stack, f"/trainflow/api/runs/e2e/{DAG}/{RUN}", finished)[1])["loss_curve"]

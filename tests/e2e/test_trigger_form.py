@@ -17,10 +17,16 @@ def open_trigger_form(driver, stack):
     from selenium.webdriver.common.by import By
 
     driver.get(f"{stack.url}/dags/{DAG}")
-    tools.wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "button[aria-label='Trigger Dag']"), 60,
-                   "the DAG page's Trigger button", "trigger-form-timeout.png")[0].click()
-    tools.wait_for(driver, lambda d: "Run Parameters" in tools.text(d, DIALOG), 60, "the trigger form",
-                   "trigger-form-timeout.png")
+    tools.wait_for(
+        driver,
+        lambda d: d.find_elements(By.CSS_SELECTOR, "button[aria-label='Trigger Dag']"),
+        60,
+        "the DAG page's Trigger button",
+        "trigger-form-timeout.png",
+    )[0].click()
+    tools.wait_for(
+        driver, lambda d: "Run Parameters" in tools.text(d, DIALOG), 60, "the trigger form", "trigger-form-timeout.png"
+    )
 
 
 def form_button(driver, label: str):
@@ -51,8 +57,13 @@ def test_the_default_run_starts_from_the_form_and_a_bad_value_is_refused(stack, 
     form_button(browser, "Gang").click()
     set_field(browser, "nodes", "0")
     form_button(browser, "Trigger").click()
-    tools.wait_for(browser, lambda d: "Invalid input for param nodes" in tools.text(d, DIALOG), 30,
-                   "the form's refusal of 0 nodes", "trigger-form-refused.png")
+    tools.wait_for(
+        browser,
+        lambda d: "Invalid input for param nodes" in tools.text(d, DIALOG),
+        30,
+        "the form's refusal of 0 nodes",
+        "trigger-form-refused.png",
+    )
     assert {r["dag_run_id"] for r in client.runs(DAG)} == before
     tools.screenshot(browser, "trigger-form-refused.png")
 
@@ -63,8 +74,13 @@ def test_the_default_run_starts_from_the_form_and_a_bad_value_is_refused(stack, 
     trigger = form_button(browser, "Trigger")
     assert trigger.is_enabled()
     trigger.click()
-    new = tools.wait_for(browser, lambda d: [r for r in client.runs(DAG) if r["dag_run_id"] not in before], 60,
-                         "the run the form triggered", "trigger-form-started.png")
+    new = tools.wait_for(
+        browser,
+        lambda d: [r for r in client.runs(DAG) if r["dag_run_id"] not in before],
+        60,
+        "the run the form triggered",
+        "trigger-form-started.png",
+    )
     (run,) = new
     assert run["conf"]["nodes"] == "2" and run["conf"]["store_uri"] is None, run["conf"]
     done = client.wait_run(DAG, run["dag_run_id"], timeout=600)

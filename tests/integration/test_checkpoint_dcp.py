@@ -56,8 +56,9 @@ def _worker(out: Path) -> None:
     def net(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         # Odd sizes shard unevenly under FSDP2; BatchNorm adds int64 and 0-dim buffers.
-        return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
-                                   torch.nn.Linear(256, 7))
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 7)
+        )
 
     def ddp(seed: int):
         model = DDP(net(seed))
@@ -113,6 +114,7 @@ def _worker(out: Path) -> None:
     train(model, opt, 2)
     train(other, other_opt, 2)
     seen["sync_resume_equal"] = full_state(other, other_opt) == full_state(model, opt)
+
     # A load that fails on rank 1 fails on rank 0 too, instead of leaving it to train alone.
     def unreadable(state, path):
         raise OSError(errno.EIO, "Input/output error (injected)", path)
@@ -128,8 +130,9 @@ def _worker(out: Path) -> None:
     if rank == 0:
         files = manifest.read_manifest(Path(path))["files"]
         seen["sync_ref_is_verified_ref"] = ref == manifest.verify(Path(path))
-        seen["manifest_files"] = {rel: [meta["size"], meta["blake3"], manifest.file_digest(Path(path) / rel)]
-                                  for rel, meta in files.items()}
+        seen["manifest_files"] = {
+            rel: [meta["size"], meta["blake3"], manifest.file_digest(Path(path) / rel)] for rel, meta in files.items()
+        }
 
     # Older checkpoints are deleted in the background, down to keep_last.
     for step in (4, 5):
@@ -139,9 +142,14 @@ def _worker(out: Path) -> None:
 
     # Async save while training goes on: the checkpoint holds the state at save().
     commits, errors = [], []
-    ckpt = dcp.AsyncCheckpointer(root=out / "async", world_size=world, training_hash="t", keep_last=2,
-                                 on_commit=commits.append,
-                                 on_error=lambda step, exc: errors.append([step, type(exc).__name__, str(exc)]))
+    ckpt = dcp.AsyncCheckpointer(
+        root=out / "async",
+        world_size=world,
+        training_hash="t",
+        keep_last=2,
+        on_commit=commits.append,
+        on_error=lambda step, exc: errors.append([step, type(exc).__name__, str(exc)]),
+    )
     at_save = rank0(full_state(model, opt))
     ckpt.save(model, opt, step=10)
     train(model, opt, 3, ckpt)
@@ -227,16 +235,29 @@ def _worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dcp")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           __file__, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("key", ["sync_loaded_equal", "sync_resume_equal", "async_loaded_equal",
-                                 "ddp_to_fsdp_equal", "fsdp_to_plain_equal", "stock_loaded_equal"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sync_loaded_equal",
+        "sync_resume_equal",
+        "async_loaded_equal",
+        "ddp_to_fsdp_equal",
+        "fsdp_to_plain_equal",
+        "stock_loaded_equal",
+    ],
+)
 def test_round_trip_is_bit_exact(seen, key):
     assert seen[0][key] is True and seen[1][key] is True
 
@@ -250,8 +271,7 @@ def test_writer_digests_are_the_files_blake3_and_every_rank_writes_its_share(see
     assert min(sizes) > 0.4 * sum(sizes)  # replicated tensors are split, not all on one rank
     assert seen[0]["sync_ref_is_verified_ref"] is True
     # Every commit got both ranks' digests from the writers: none re-read the data files.
-    assert seen[0]["digests_handed"] and all(h == ["__0_0.distcp", "__1_0.distcp"]
-                                             for h in seen[0]["digests_handed"])
+    assert seen[0]["digests_handed"] and all(h == ["__0_0.distcp", "__1_0.distcp"] for h in seen[0]["digests_handed"])
 
 
 def test_a_failed_write_on_one_rank_fails_the_save_everywhere(seen):

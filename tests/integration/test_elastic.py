@@ -22,8 +22,9 @@ from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
 from trainflow.worker.evaluate import evaluate
 
-BASE = dict(workload="digits", steps=200, batch_size=16, checkpoint_interval=20, keep_last=3,
-            seed=11, record_samples=True)
+BASE = dict(
+    workload="digits", steps=200, batch_size=16, checkpoint_interval=20, keep_last=3, seed=11, record_samples=True
+)
 # A shrunk gang trains the same samples per step (keep_global) but sums the gradients of
 # fewer ranks in another order: the weights differ in the last bits, then drift slightly.
 ACCURACY_TOLERANCE = 0.02
@@ -32,7 +33,7 @@ ACCURACY_TOLERANCE = 0.02
 def _wait(predicate, timeout: float = 300, what: str = "condition"):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (value := predicate()):
+        if value := predicate():
             return value
         time.sleep(0.1)
     pytest.fail(f"timed out waiting for {what}")
@@ -82,8 +83,13 @@ def test_gang_shrinks_when_a_node_is_lost_for_good_then_grows_back(tmp_path, age
     """nodes='2:3': node loss at step 70 and no replacement within shrink_grace → the gang
     goes on with 2 nodes from the newest checkpoint, resharded; then the node comes back and
     joins at the next checkpoint boundary; the run finishes with 3."""
-    spec = TrainingSpec(**{**BASE, "steps": 400}, nodes="2:3", shrink_grace=3, heartbeat_timeout=30,
-                        faults=[{"kind": "kill_node", "rank": 2, "step": 70}])
+    spec = TrainingSpec(
+        **{**BASE, "steps": 400},
+        nodes="2:3",
+        shrink_grace=3,
+        heartbeat_timeout=30,
+        faults=[{"kind": "kill_node", "rank": 2, "step": 70}],
+    )
     clean = tmp_path / "clean"
     assert run_local(TrainingSpec(**{**spec.to_dict(), "faults": []}), clean) == [0, 0, 0]
     run = tmp_path / "elastic"

@@ -13,8 +13,7 @@ from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
 from trainflow.worker.evaluate import evaluate
 
-BASE = dict(workload="digits", nodes=2, steps=400, batch_size=16, checkpoint_interval=20,
-            keep_last=3, seed=5)
+BASE = dict(workload="digits", nodes=2, steps=400, batch_size=16, checkpoint_interval=20, keep_last=3, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +64,7 @@ def test_user_bug_aborts_the_run_without_restarts(tmp_path):
 
 
 def test_crash_loop_stops_with_a_clear_error(tmp_path):
-    spec = TrainingSpec(**{**BASE, "crash_loop_limit": 2},
-                        faults=[{"kind": "crash_rank", "rank": 1, "step": 30}])
+    spec = TrainingSpec(**{**BASE, "crash_loop_limit": 2}, faults=[{"kind": "crash_rank", "rank": 1, "step": 30}])
     codes = run_local(spec, tmp_path)
     assert codes and set(codes) == {3}
     abort = json.loads((tmp_path / "ABORT").read_text())
@@ -159,23 +157,24 @@ def small_checkpoint_fs(tmp_path):
 
     ckpt = tmp_path / "run" / "checkpoints"
     ckpt.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(ckpt)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(ckpt)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     yield tmp_path / "run"
     subprocess.run(["umount", "-l", str(ckpt)], check=False)
 
 
-def test_full_checkpoint_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_checkpoint_fs,
-                                                                               clean_digest):
+def test_full_checkpoint_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_checkpoint_fs, clean_digest):
     from trainflow.checkpoint.manifest import newest_verified
 
     run_dir = small_checkpoint_fs
     # The disk fills at step 90: the save of step 100 hits ENOSPC. Rank 0 is then killed
     # at step 110, so the gang must resume from step 80, the newest checkpoint intact.
-    spec = TrainingSpec(**BASE, faults=[{"kind": "fill_disk", "rank": 1, "step": 90},
-                                        {"kind": "kill_rank", "rank": 0, "step": 110}])
+    spec = TrainingSpec(
+        **BASE, faults=[{"kind": "fill_disk", "rank": 1, "step": 90}, {"kind": "kill_rank", "rank": 0, "step": 110}]
+    )
     assert run_local(spec, run_dir) == [0, 0]
     failed = _events(run_dir, "checkpoint_failed")
     assert failed and {e["step"] for e in failed} == {100}

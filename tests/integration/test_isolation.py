@@ -26,6 +26,7 @@ def test_two_tenants_run_concurrently_without_seeing_each_other(tmp_path):
 
     def train(tenant: str) -> None:
         codes[tenant] = run_local(TrainingSpec(**BASE, tenant=tenant), runs[tenant])
+
     threads = [threading.Thread(target=train, args=(t,)) for t in runs]
     for t in threads:
         t.start()

@@ -31,6 +31,7 @@ def echo_port():
             with conn:
                 while data := conn.recv(4096):
                     conn.sendall(data.upper())
+
     threading.Thread(target=serve, daemon=True).start()
     yield port
     server.close()
@@ -49,18 +50,27 @@ def net(echo_port):
 def on(net: HostNetwork, host: str, code: str, env: dict | None = None, **kw) -> subprocess.Popen:
     import os
 
-    return subprocess.Popen([*net.wrap(host), sys.executable, "-c", code], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **net.env(host), **(env or {})}, **kw)
+    return subprocess.Popen(
+        [*net.wrap(host), sys.executable, "-c", code],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **net.env(host), **(env or {})},
+        **kw,
+    )
 
 
 def test_each_host_has_its_own_address_and_reaches_services_on_its_loopback(net, echo_port):
     assert net.addr("a") != net.addr("b")
-    probe = on(net, "a", f"""
+    probe = on(
+        net,
+        "a",
+        f"""
 import socket, fcntl, struct
 s = socket.create_connection(("127.0.0.1", {echo_port}), timeout=5)
 s.sendall(b"ping"); print(s.recv(16).decode())
-""")
+""",
+    )
     out, _ = probe.communicate(timeout=30)
     assert probe.returncode == 0, out
     assert out.strip() == "PING"  # the root namespace's server answered through the forwarder
@@ -72,7 +82,7 @@ def test_gloo_crosses_between_host_addresses_and_loopbacks_are_private(net):
     code = f"""
 import os, socket, torch, torch.distributed as dist
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method="tcp://{net.addr('a')}:{port}", rank=rank, world_size=2)
+dist.init_process_group("gloo", init_method="tcp://{net.addr("a")}:{port}", rank=rank, world_size=2)
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
 peer = None

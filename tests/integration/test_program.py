@@ -34,9 +34,24 @@ STEPS, EVERY = 2400, 300
 
 
 def _spec(steps: int = STEPS, program_steps: int | None = None, **kw) -> TrainingSpec:
-    return TrainingSpec(nodes=2, steps=steps, checkpoint_interval=EVERY, keep_last=2, heartbeat_interval=0.5,
-                        program=["python", EXAMPLE, "--steps", str(program_steps or steps), "--every", str(EVERY),
-                                 "--resume", "{resume_from}"], **kw)
+    return TrainingSpec(
+        nodes=2,
+        steps=steps,
+        checkpoint_interval=EVERY,
+        keep_last=2,
+        heartbeat_interval=0.5,
+        program=[
+            "python",
+            EXAMPLE,
+            "--steps",
+            str(program_steps or steps),
+            "--every",
+            str(EVERY),
+            "--resume",
+            "{resume_from}",
+        ],
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +160,27 @@ def test_a_program_without_the_sdk_heals_a_kill_from_its_own_checkpoint_layout(t
     each complete folder (its ``.metadata`` present) as a verified checkpoint, heartbeats
     for its ranks from that progress, and after a rank is SIGKILLed hands the newest to the
     restarted gang: it ends with an uninterrupted run's state."""
-    program = ["python", str(REPO / "examples" / "dcp_program.py"), "--steps", "3000", "--every", "300",
-               "--out", "{checkpoint_dir}", "--resume", "{resume_from}"]
-    spec = TrainingSpec(nodes=2, steps=3000, checkpoint_interval=300, keep_last=2, heartbeat_interval=0.5,
-                        program=program, exit_codes_no_retry=[2])
+    program = [
+        "python",
+        str(REPO / "examples" / "dcp_program.py"),
+        "--steps",
+        "3000",
+        "--every",
+        "300",
+        "--out",
+        "{checkpoint_dir}",
+        "--resume",
+        "{resume_from}",
+    ]
+    spec = TrainingSpec(
+        nodes=2,
+        steps=3000,
+        checkpoint_interval=300,
+        keep_last=2,
+        heartbeat_interval=0.5,
+        program=program,
+        exit_codes_no_retry=[2],
+    )
     clean = tmp_path / "clean"
     assert run_local(spec, clean) == [0, 0]
     assert [s for s, _ in manifest.list_checkpoints(clean / "checkpoints")] == [3000, 2700]
@@ -163,8 +195,12 @@ def test_a_program_without_the_sdk_heals_a_kill_from_its_own_checkpoint_layout(t
         while time.time() < deadline and killed is None:
             ref = manifest.newest_verified(run_dir / "checkpoints")
             if ref is not None and ref.step < 2400:
-                workers = [c for p in procs for c in psutil.Process(p.pid).children(recursive=True)
-                           if "dcp_program.py" in " ".join(c.cmdline())]
+                workers = [
+                    c
+                    for p in procs
+                    for c in psutil.Process(p.pid).children(recursive=True)
+                    if "dcp_program.py" in " ".join(c.cmdline())
+                ]
                 if len(workers) == 2:
                     os.kill(workers[-1].pid, signal.SIGKILL)
                     killed = ref.step
@@ -183,8 +219,13 @@ def test_a_program_without_the_sdk_heals_a_kill_from_its_own_checkpoint_layout(t
 def test_an_exit_code_named_no_retry_ends_the_run_at_once(tmp_path):
     """argparse exits 2 on a bad command line: with ``exit_codes_no_retry=[2]`` the run is
     aborted on the first exit instead of restarting the gang."""
-    spec = TrainingSpec(nodes=2, steps=100, checkpoint_interval=50, exit_codes_no_retry=[2],
-                        program=["python", str(REPO / "examples" / "dcp_program.py"), "--no-such-flag"])
+    spec = TrainingSpec(
+        nodes=2,
+        steps=100,
+        checkpoint_interval=50,
+        exit_codes_no_retry=[2],
+        program=["python", str(REPO / "examples" / "dcp_program.py"), "--no-such-flag"],
+    )
     run_dir = tmp_path / "bad-flag"
     assert run_local(spec, run_dir, timeout=300) != [0, 0]
     record = aborted(run_dir)

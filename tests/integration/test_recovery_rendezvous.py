@@ -18,8 +18,7 @@ from trainflow.spec import TrainingSpec
 from trainflow.timeline import read as read_timeline
 from trainflow.worker.evaluate import evaluate
 
-BASE = dict(workload="digits", nodes=2, steps=240, batch_size=16, checkpoint_interval=20,
-            keep_last=3, seed=7)
+BASE = dict(workload="digits", nodes=2, steps=240, batch_size=16, checkpoint_interval=20, keep_last=3, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,8 @@ def test_replacement_agent_joins_the_survivor_later(tmp_path, clean_digest, agen
 
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_losing_rank_0s_node_costs_only_that_node_on_the_database_rendezvous(
-        tmp_path, clean_digest, agents, database, request, monkeypatch):
+    tmp_path, clean_digest, agents, database, request, monkeypatch
+):
     """Rank 0's node (whichever joined first) is killed with its whole tree: its agent, its
     workers and rank 0's store of the round. The other agent lives on, restarts its worker
     and waits in the rendezvous until the replacement joins. On the embedded profile's

@@ -29,8 +29,7 @@ CASES = {
 def _spec(**kw) -> TrainingSpec:
     # The gang is killed right after checkpoint 20: 300 steps leave it most of the run to
     # redo after the resume (800 here cost ~2.5× the time and proved nothing more).
-    return TrainingSpec(workload="digits", steps=300, batch_size=16, checkpoint_interval=20,
-                        keep_last=2, seed=3, **kw)
+    return TrainingSpec(workload="digits", steps=300, batch_size=16, checkpoint_interval=20, keep_last=2, seed=3, **kw)
 
 
 def _interrupt_after(spec: TrainingSpec, run_dir: Path, step: int) -> int:
@@ -117,8 +116,17 @@ def test_preempted_gang_stops_at_a_checkpoint_and_resumes_bit_identical(tmp_path
     from trainflow.timeline import read
     from trainflow.workspace import PREEMPT_REQUEST, PREEMPTED, completed, write_json_atomic
 
-    spec = TrainingSpec(workload="digits", steps=300, batch_size=16, checkpoint_interval=50, keep_last=2,
-                        seed=3, nodes=2, nproc_per_node=1, preemptible=True)
+    spec = TrainingSpec(
+        workload="digits",
+        steps=300,
+        batch_size=16,
+        checkpoint_interval=50,
+        keep_last=2,
+        seed=3,
+        nodes=2,
+        nproc_per_node=1,
+        preemptible=True,
+    )
     clean = tmp_path / "clean"
     assert run_local(spec, clean) == [0, 0]
     run_dir = tmp_path / "preempted"

@@ -34,20 +34,28 @@ def _checkpoint(root: Path, step: int, *, seed: int = 0, big: int = 12 * 2**20) 
 
 
 def _store(s3, server, run_id: str, settings=SMALL) -> S3Store:
-    return S3Store(s3, server.bucket, "ckpt/team-a", tenant="default", dag_id="train_digits", run_id=run_id,
-                   settings=settings)
+    return S3Store(
+        s3, server.bucket, "ckpt/team-a", tenant="default", dag_id="train_digits", run_id=run_id, settings=settings
+    )
 
 
 def _files(path: Path) -> dict[str, str]:
-    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_upload_then_download_is_verified_and_identical(tmp_path, s3_server):
     store = _store(s3_server.client(settings=SMALL), s3_server, "run-1")
     ref = _checkpoint(tmp_path / "local", 100)
     done = store.upload(ref)
-    assert done["step"] == 100 and not done["skipped"] and done["uri"].endswith("/default/train_digits/run-1/step-00000100")
+    assert (
+        done["step"] == 100
+        and not done["skipped"]
+        and done["uri"].endswith("/default/train_digits/run-1/step-00000100")
+    )
     assert store.steps() == [100]
     assert store.upload(ref)["skipped"]  # idempotent: the same manifest is already there
     got = store.download(100, tmp_path / "elsewhere", training_hash=THASH)
@@ -76,8 +84,9 @@ def test_a_checkpoint_of_many_multipart_files_downloads_without_waiting_on_itsel
     ref = manifest.commit(tmp_path / "local", 100, world_size=8, training_hash=THASH)
     store.upload(ref)
     got: dict = {}
-    fetch = threading.Thread(target=lambda: got.update(ref=store.download(100, tmp_path / "down",
-                                                                          training_hash=THASH)), daemon=True)
+    fetch = threading.Thread(
+        target=lambda: got.update(ref=store.download(100, tmp_path / "down", training_hash=THASH)), daemon=True
+    )
     fetch.start()
     fetch.join(timeout=120)
     assert not fetch.is_alive(), "the download is waiting on itself"
@@ -102,7 +111,9 @@ def test_a_file_missing_from_the_store_or_of_another_size_fails_before_any_trans
     store = _store(s3, s3_server, "run-missing")
     store.upload(_checkpoint(tmp_path / "local", 100))
     s3.delete_object(Bucket=s3_server.bucket, Key=store._key(100, "sub/.metadata"))
-    with pytest.raises(CheckpointError, match=r"step 100 in s3://.*: sub/\.metadata is missing as its manifest records"):
+    with pytest.raises(
+        CheckpointError, match=r"step 100 in s3://.*: sub/\.metadata is missing as its manifest records"
+    ):
         store.download(100, tmp_path / "a", training_hash=THASH)
     s3.put_object(Bucket=s3_server.bucket, Key=store._key(100, "sub/.metadata"), Body=b"short")
     with pytest.raises(CheckpointError, match=r"sub/\.metadata is 5 bytes, not 100 as its manifest records"):
@@ -123,13 +134,21 @@ def test_ranges_cut_off_mid_body_are_fetched_again_and_the_copy_still_verifies(t
     store = _store(s3_server.client(settings=SMALL), s3_server, "run-cut")
     ref = _checkpoint(tmp_path / "local", 100, big=24 * 2**20)
     store.upload(ref)
-    small_reads = TransferSettings(multipart_threshold=5 * 2**20, chunk_size=5 * 2**20, concurrency=4,
-                                   io_chunk_size=256 * 1024)
+    small_reads = TransferSettings(
+        multipart_threshold=5 * 2**20, chunk_size=5 * 2**20, concurrency=4, io_chunk_size=256 * 1024
+    )
     # Requests 1 and 2 are the manifest and the listing: the cuts fall on the files' GETs.
     with FaultProxy(s3_server.endpoint_url, every=3, start=3, cut=True) as proxy:
         s3 = client(endpoint_url=proxy.endpoint_url, settings=small_reads, **s3_server.credentials)
-        via_proxy = S3Store(s3, s3_server.bucket, "ckpt/team-a", tenant="default", dag_id="train_digits",
-                            run_id="run-cut", settings=small_reads)
+        via_proxy = S3Store(
+            s3,
+            s3_server.bucket,
+            "ckpt/team-a",
+            tenant="default",
+            dag_id="train_digits",
+            run_id="run-cut",
+            settings=small_reads,
+        )
         got = via_proxy.download(100, tmp_path / "elsewhere", training_hash=THASH)
     assert proxy.injected >= 2
     assert got.manifest_sha256 == ref.manifest_sha256
@@ -172,8 +191,12 @@ def test_prune_keeps_the_newest(tmp_path, s3_server):
 
 def test_wrong_credentials_fail_without_leaking_the_secret(tmp_path, s3_server):
     secret = "not-the-right-secret-4242"
-    s3 = client(endpoint_url=s3_server.endpoint_url, aws_access_key_id=s3_server.access_key,
-                aws_secret_access_key=secret, settings=TransferSettings(max_attempts=1))
+    s3 = client(
+        endpoint_url=s3_server.endpoint_url,
+        aws_access_key_id=s3_server.access_key,
+        aws_secret_access_key=secret,
+        settings=TransferSettings(max_attempts=1),
+    )
     store = _store(s3, s3_server, "run-5")
     with pytest.raises(botocore.exceptions.ClientError) as err:
         store.upload(_checkpoint(tmp_path / "local", 10, big=1000))
@@ -239,8 +262,10 @@ def test_bytes_that_do_not_match_the_manifest_are_refused_and_no_manifest_lands(
     ref = _checkpoint(tmp_path / "local", 10)
     shard = Path(ref.path) / changed
     shard.write_bytes(os.urandom(shard.stat().st_size))
-    with pytest.raises(CheckpointError, match=f"does not match its manifest: {changed} \\(digest differs\\); "
-                                              "the manifest of step 10 was not uploaded"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"does not match its manifest: {changed} \\(digest differs\\); the manifest of step 10 was not uploaded",
+    ):
         store.upload(ref)
     assert store.steps() == []
     shard.unlink()

@@ -13,10 +13,17 @@ from trainflow.faults import ALLOW_FAULTS_ENV, check_allowed, parse_faults
 KILL = [{"kind": "kill_rank", "rank": 1, "step": 10}]
 
 
-@pytest.mark.parametrize("dag_allows, env, allowed", [
-    (False, {}, False), (False, {ALLOW_FAULTS_ENV: "0"}, False), (True, {}, True),
-    (False, {ALLOW_FAULTS_ENV: "1"}, True), (False, {ALLOW_FAULTS_ENV: "true"}, True)],
-    ids=["default", "env-off", "dag", "env-1", "env-true"])
+@pytest.mark.parametrize(
+    "dag_allows, env, allowed",
+    [
+        (False, {}, False),
+        (False, {ALLOW_FAULTS_ENV: "0"}, False),
+        (True, {}, True),
+        (False, {ALLOW_FAULTS_ENV: "1"}, True),
+        (False, {ALLOW_FAULTS_ENV: "true"}, True),
+    ],
+    ids=["default", "env-off", "dag", "env-1", "env-true"],
+)
 def test_a_fault_schedule_needs_the_dag_or_the_deployment(dag_allows, env, allowed):
     faults = parse_faults(KILL, world_size=2, steps=20)
     check_allowed((), dag_allows=False, env={})  # no faults: nothing to allow
@@ -35,8 +42,10 @@ def test_provision_refuses_faults_unless_the_dag_opts_in(tmp_path, monkeypatch):
 
     from operators.dag_factory import training_dag
 
-    context = {"params": {**training_dag("plain").params.dump(), "faults": KILL, "steps": 20,
-                          "checkpoint_interval": 10}, "run_id": "r1"}
+    context = {
+        "params": {**training_dag("plain").params.dump(), "faults": KILL, "steps": 20, "checkpoint_interval": 10},
+        "run_id": "r1",
+    }
     with pytest.raises(AirflowFailException, match="invalid faults.*allow_faults=True"):
         training_dag("plain").get_task("provision")._validate(context)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "state.db").exists()  # nothing allocated

@@ -21,22 +21,46 @@ from trainflow.workspace import Workspace
 
 FIELDS = sorted(param_schema())
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=True)
-    | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=True) | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8)
+    max_leaves=8,
+)
 hostile_text = st.one_of(
     st.text(max_size=60),
-    st.sampled_from(["..", "../x", "a/../../b", "/etc/passwd", "%2e%2e%2f", "a\x00b", "/\x00", "a/b", ".", "~root",
-                     "..\\..\\x", "a\nb", " ", "CON", "é", "a" * 300]))
+    st.sampled_from(
+        [
+            "..",
+            "../x",
+            "a/../../b",
+            "/etc/passwd",
+            "%2e%2e%2f",
+            "a\x00b",
+            "/\x00",
+            "a/b",
+            ".",
+            "~root",
+            "..\\..\\x",
+            "a\nb",
+            " ",
+            "CON",
+            "é",
+            "a" * 300,
+        ]
+    ),
+)
 conf = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), json_values | hostile_text, max_size=8)
-SCHEMA = {"type": "object", "properties": {name: {k: v for k, v in kw.items() if k not in ("default", "title",
-                                                                                         "description")}
-                                           for name, kw in param_schema().items()}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        name: {k: v for k, v in kw.items() if k not in ("default", "title", "description")}
+        for name, kw in param_schema().items()
+    },
+}
 # Derandomized: the same 400 examples in every run (CI stays deterministic); change the
 # seed locally to explore further.
-PROFILE = settings(max_examples=400, deadline=None, database=None, derandomize=True,
-                   suppress_health_check=[HealthCheck.too_slow])
+PROFILE = settings(
+    max_examples=400, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @PROFILE

@@ -68,8 +68,15 @@ except MemoryError:
 def test_an_allocating_workload_aborts_the_run_as_a_user_error(tmp_path):
     from trainflow.launch.local import run_local
 
-    spec = TrainingSpec(workload="digits", nodes=2, steps=200, batch_size=16, checkpoint_interval=50,
-                        memory_limit_mb=2048, faults=[{"kind": "allocate", "rank": 1, "step": 20}])
+    spec = TrainingSpec(
+        workload="digits",
+        nodes=2,
+        steps=200,
+        batch_size=16,
+        checkpoint_interval=50,
+        memory_limit_mb=2048,
+        faults=[{"kind": "allocate", "rank": 1, "step": 20}],
+    )
     t0 = time.time()
     codes = run_local(spec, tmp_path)
     assert time.time() - t0 < 120 and set(codes) <= {3} and codes

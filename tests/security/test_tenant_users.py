@@ -30,11 +30,17 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs
 
 
 def test_the_map_names_the_bad_word_and_refuses_root_and_unknown_users(monkeypatch):
-    assert runas.tenant_users({"TRAINFLOW_TENANT_USERS": "alpha=52001, beta=52002"}) == \
-        {"alpha": (52001, 52001), "beta": (52002, 52002)}
+    assert runas.tenant_users({"TRAINFLOW_TENANT_USERS": "alpha=52001, beta=52002"}) == {
+        "alpha": (52001, 52001),
+        "beta": (52002, 52002),
+    }
     assert runas.tenant_users({}) == {}
-    for value, fix in (("alpha", "tenant=user words"), ("alpha=", "tenant=user words"),
-                       ("alpha=0", "must not be root"), ("alpha=no-such-user-xyz", "no user 'no-such-user-xyz'")):
+    for value, fix in (
+        ("alpha", "tenant=user words"),
+        ("alpha=", "tenant=user words"),
+        ("alpha=0", "must not be root"),
+        ("alpha=no-such-user-xyz", "no user 'no-such-user-xyz'"),
+    ):
         with pytest.raises(SpecError, match=fix) as info:
             runas.tenant_users({"TRAINFLOW_TENANT_USERS": value})
         assert info.value.field == "TRAINFLOW_TENANT_USERS"
@@ -103,14 +109,17 @@ def test_each_tenants_workers_run_as_its_user_and_cannot_open_the_others_run(roo
     monkeypatch.setenv("TRAINFLOW_TENANT_USERS", " ".join(f"{t}={u}" for t, u in UIDS.items()))
     runs = {t: Workspace(root / "runs", t, "train_digits", "same-run").create().dir for t in UIDS}
     codes: dict[str, list[int]] = {}
-    threads = [threading.Thread(target=lambda t=t: codes.__setitem__(
-        t, run_local(TrainingSpec(**BASE, tenant=t), runs[t]))) for t in UIDS]
+    threads = [
+        threading.Thread(target=lambda t=t: codes.__setitem__(t, run_local(TrainingSpec(**BASE, tenant=t), runs[t])))
+        for t in UIDS
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=900)
     assert codes == {"alpha": [0, 0], "beta": [0, 0]}, [
-        p.read_text()[-3000:] for d in runs.values() for p in (d / "logs").glob("agent-*.log")]
+        p.read_text()[-3000:] for d in runs.values() for p in (d / "logs").glob("agent-*.log")
+    ]
 
     newest = {}
     for tenant, run_dir in runs.items():
@@ -135,8 +144,13 @@ def test_each_tenants_workers_run_as_its_user_and_cannot_open_the_others_run(roo
     # The evaluation (the operator runs it so: trimmed environment, the tenant's user).
     env = {**envtrim.trimmed(), **runas.hand_over(runs["alpha"], "alpha")}
     (runs["alpha"] / "metrics.json").unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "trainflow.worker.evaluate", "--run-dir", str(runs["alpha"])],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainflow.worker.evaluate", "--run-dir", str(runs["alpha"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (runs["alpha"] / "metrics.json").stat().st_uid == alpha
     assert json.loads(done.stdout.splitlines()[-1])["weights_sha256"] == expected

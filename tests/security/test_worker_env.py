@@ -24,21 +24,41 @@ SECRETS = {
 
 
 def test_the_allowlist_keeps_what_training_needs_and_nothing_else():
-    needed = {"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "PYTHONPATH": "/x",
-              "TRAINFLOW_HOME": "/tf", "GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5",
-              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_VISIBLE_DEVICES": "0,1",
-              "ASCEND_RT_VISIBLE_DEVICES": "0", "MLU_VISIBLE_DEVICES": "0", "XPU_VISIBLE_DEVICES": "0",
-              "MUSA_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0", "HCCL_CONNECT_TIMEOUT": "600"}
+    needed = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONPATH": "/x",
+        "TRAINFLOW_HOME": "/tf",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_IB_HCA": "mlx5",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "ASCEND_RT_VISIBLE_DEVICES": "0",
+        "MLU_VISIBLE_DEVICES": "0",
+        "XPU_VISIBLE_DEVICES": "0",
+        "MUSA_VISIBLE_DEVICES": "0",
+        "HIP_VISIBLE_DEVICES": "0",
+        "HCCL_CONNECT_TIMEOUT": "600",
+    }
     assert trimmed({**needed, **SECRETS}) == needed
     for name in SECRETS:
         assert not allowed(name), name
 
 
 def test_more_names_are_allowed_by_configuration_only():
-    env = {"TRAINFLOW_WORKER_ENV_ALLOW": "HTTPS_PROXY, DATA_*", "HTTPS_PROXY": "http://p:3128",
-           "DATA_ROOT": "/data", "DATABASE_URL": "secret", "AWS_SECRET_ACCESS_KEY": "s"}
-    assert trimmed(env) == {"TRAINFLOW_WORKER_ENV_ALLOW": "HTTPS_PROXY, DATA_*", "HTTPS_PROXY": "http://p:3128",
-                            "DATA_ROOT": "/data"}
+    env = {
+        "TRAINFLOW_WORKER_ENV_ALLOW": "HTTPS_PROXY, DATA_*",
+        "HTTPS_PROXY": "http://p:3128",
+        "DATA_ROOT": "/data",
+        "DATABASE_URL": "secret",
+        "AWS_SECRET_ACCESS_KEY": "s",
+    }
+    assert trimmed(env) == {
+        "TRAINFLOW_WORKER_ENV_ALLOW": "HTTPS_PROXY, DATA_*",
+        "HTTPS_PROXY": "http://p:3128",
+        "DATA_ROOT": "/data",
+    }
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -56,8 +76,9 @@ def test_real_workers_see_no_secret_of_the_task_and_run_in_their_own_session(tmp
 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    spec = TrainingSpec(workload="digits", nodes=2, steps=1500, batch_size=16, checkpoint_interval=500,
-                        heartbeat_interval=0.2)
+    spec = TrainingSpec(
+        workload="digits", nodes=2, steps=1500, batch_size=16, checkpoint_interval=500, heartbeat_interval=0.2
+    )
     result: dict = {}
     launcher = threading.Thread(target=lambda: result.update(codes=run_local(spec, tmp_path)), daemon=True)
     launcher.start()

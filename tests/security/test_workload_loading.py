@@ -11,8 +11,17 @@ from trainflow.errors import SpecError
 from trainflow.workloads.base import resolve
 
 
-@pytest.mark.parametrize("name", ["os:system", "subprocess:run", "builtins:eval", "trainflow.workloadsX.evil:build",
-                                  "workloads_evil:build", "tests.security.evil_module:build"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os:system",
+        "subprocess:run",
+        "builtins:eval",
+        "trainflow.workloadsX.evil:build",
+        "workloads_evil:build",
+        "tests.security.evil_module:build",
+    ],
+)
 def test_modules_outside_the_allowed_prefixes_are_refused_unimported(name, monkeypatch):
     monkeypatch.delenv("TRAINFLOW_WORKLOAD_MODULES", raising=False)
     module = name.split(":")[0]

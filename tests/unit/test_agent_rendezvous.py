@@ -21,22 +21,32 @@ def dr(monkeypatch):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)
-    monkeypatch.setattr(dynamic_rendezvous, "_BackendRendezvousStateHolder",
-                        dynamic_rendezvous._BackendRendezvousStateHolder)
+    monkeypatch.setattr(
+        dynamic_rendezvous, "_BackendRendezvousStateHolder", dynamic_rendezvous._BackendRendezvousStateHolder
+    )
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)
     return dynamic_rendezvous
 
 
-@pytest.mark.parametrize(("nodes", "poll"), [(1, 0.1), (2, 0.1), (10, 0.1), (50, 0.5), (100, 1.0), (4096, 1.0)],
-                         ids=["1", "2", "10", "50", "100", "4096"])
+@pytest.mark.parametrize(
+    ("nodes", "poll"),
+    [(1, 0.1), (2, 0.1), (10, 0.1), (50, 0.5), (100, 1.0), (4096, 1.0)],
+    ids=["1", "2", "10", "50", "100", "4096"],
+)
 def test_poll_interval_keeps_the_store_under_100_reads_a_second(nodes, poll):
     assert rendezvous_poll_interval(nodes) == pytest.approx(poll)
     assert nodes / poll <= max(100, nodes)
 
 
 def test_plan_carries_the_poll_interval():
-    plan = build_plan(TrainingSpec(nodes=2), dag_id="d", run_id="r", run_dir="/tmp/x",
-                      rdzv_endpoint="127.0.0.1:29400", rdzv_backend="c10d")
+    plan = build_plan(
+        TrainingSpec(nodes=2),
+        dag_id="d",
+        run_id="r",
+        run_dir="/tmp/x",
+        rdzv_endpoint="127.0.0.1:29400",
+        rdzv_backend="c10d",
+    )
     assert plan["rendezvous"]["poll_interval"] == rendezvous_poll_interval(2)
 
 
@@ -94,8 +104,11 @@ def _handlers(dr, n: int):
     handlers = []
     for _ in range(n):
         store = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
-        handlers.append(dr.DynamicRendezvousHandler.from_backend(
-            "t", store, C10dRendezvousBackend(store, "t"), n, n, local_addr="127.0.0.1"))
+        handlers.append(
+            dr.DynamicRendezvousHandler.from_backend(
+                "t", store, C10dRendezvousBackend(store, "t"), n, n, local_addr="127.0.0.1"
+            )
+        )
     return server, handlers
 
 

@@ -17,7 +17,7 @@ def test_gang_is_all_or_nothing(alloc):
     alloc.admit("r1", tenant="t", pool="cpu", nodes=3, ttl=60, now=0)
     with pytest.raises(AdmissionError, match="2 nodes asked, 1 of 4 free"):
         alloc.admit("r2", tenant="t", pool="cpu", nodes=2, ttl=60, now=1)
-    assert [l.run_key for l in alloc.leases(now=1)] == ["r1"]
+    assert [lease.run_key for lease in alloc.leases(now=1)] == ["r1"]
     assert alloc.release("r1") and not alloc.release("r1")
     alloc.admit("r2", tenant="t", pool="cpu", nodes=2, ttl=60, now=2)
 
@@ -47,7 +47,7 @@ def test_elastic_admission_takes_what_is_free_up_to_the_full_size(alloc):
     assert not alloc.grow("elastic", now=1)
     alloc.release("other")
     assert alloc.grow("elastic", now=2) and not alloc.grow("elastic", now=2)
-    assert {l.run_key: l.nodes for l in alloc.leases(now=2)} == {"elastic": 4}
+    assert {lease.run_key: lease.nodes for lease in alloc.leases(now=2)} == {"elastic": 4}
     with pytest.raises(AdmissionError, match="1 nodes asked, 0 of 4 free"):
         alloc.admit("late", tenant="t", pool="cpu", nodes=1, ttl=60, now=3)
 
@@ -55,7 +55,7 @@ def test_elastic_admission_takes_what_is_free_up_to_the_full_size(alloc):
 def test_a_lost_node_leaves_the_lease_and_the_pool_until_it_returns(alloc):
     alloc.admit("r", tenant="t", pool="cpu", nodes=4, ttl=600, now=0)
     alloc.lose_node("r", until=100, reason="host gone")
-    assert {l.run_key: l.nodes for l in alloc.leases(now=1)} == {"r": 3}
+    assert {lease.run_key: lease.nodes for lease in alloc.leases(now=1)} == {"r": 3}
     assert alloc.offline("cpu", now=1) == 1
     assert not alloc.grow("r", now=50)  # 3 leased + 1 offline: nothing free
     assert alloc.grow("r", now=101)  # the node is back
@@ -211,8 +211,9 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_requeues_first_i
     from trainflow.cluster.allocator import Lease, Waiting
 
     def ask(key, nodes, now, priority=0, preemptible=False):
-        return alloc.request(key, tenant="t", pool="cpu", nodes=nodes, ttl=60, priority=priority,
-                             preemptible=preemptible, now=now)
+        return alloc.request(
+            key, tenant="t", pool="cpu", nodes=nodes, ttl=60, priority=priority, preemptible=preemptible, now=now
+        )
 
     assert isinstance(ask("low", 3, 0, preemptible=True), Lease)
     assert isinstance(ask("keep", 1, 1), Lease)  # not preemptible
@@ -234,7 +235,7 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_requeues_first_i
     assert isinstance(again, Lease) and again.nodes == 3
     # A run that yields without an order leaves its lease alone.
     assert not alloc.yield_lease("low", nodes=3, now=9)
-    assert [l.run_key for l in alloc.leases(now=9)] == ["keep", "low"]
+    assert [lease.run_key for lease in alloc.leases(now=9)] == ["keep", "low"]
 
 
 def test_a_run_not_preemptible_is_never_preempted_by_priority(alloc):
@@ -254,8 +255,9 @@ def test_with_quotas_borrowed_nodes_of_a_preemptible_run_are_reclaimed(alloc):
     alloc.set_quota("cpu", "a", 2)
     alloc.set_quota("cpu", "b", 2)
     for i in range(2):
-        assert isinstance(alloc.request(f"a{i}", tenant="a", pool="cpu", nodes=2, ttl=60,
-                                        preemptible=True, now=i), Lease)
+        assert isinstance(
+            alloc.request(f"a{i}", tenant="a", pool="cpu", nodes=2, ttl=60, preemptible=True, now=i), Lease
+        )
     b = alloc.request("b1", tenant="b", pool="cpu", nodes=2, ttl=60, now=5)
     assert isinstance(b, Waiting) and "preempting 'a1'" in b.reason, b
     assert "reclaimed for 'b1' of tenant 'b'" in alloc.preemption("a1")["reason"]

@@ -62,8 +62,10 @@ def test_share_keeps_non_tensors_everywhere_and_ignores_key_order():
 
 
 def test_write_file_returns_the_digest_of_what_is_on_disk(tmp_path):
-    buffers = [dcp._as_bytes(torch.arange(n, dtype=dtype))
-               for n, dtype in [(1000, torch.float32), (0, torch.float32), (7, torch.bfloat16), (3, torch.int64)]]
+    buffers = [
+        dcp._as_bytes(torch.arange(n, dtype=dtype))
+        for n, dtype in [(1000, torch.float32), (0, torch.float32), (7, torch.bfloat16), (3, torch.int64)]
+    ]
     buffers.append(memoryview(b"pickled bytes"))
     offsets, size, sha = dcp._write_file(tmp_path / "f", buffers)
     data = (tmp_path / "f").read_bytes()
@@ -95,16 +97,16 @@ def test_direct_writes_keep_every_byte_and_the_digest(tmp_path, where):
     rng = np.random.default_rng(0)
     for sizes in ([1], [4095, 1, (8 << 20) - 7, 3], [(8 << 20) * 2], [], [70000, 5, 1 << 20, 65536, 9]):
         # Slices at odd addresses too, so that heads, tails and gaps all occur.
-        bufs = [memoryview(rng.integers(0, 255, n + 9, dtype=np.uint8))[i % 9:i % 9 + n]
-                for i, n in enumerate(sizes)]
+        bufs = [memoryview(rng.integers(0, 255, n + 9, dtype=np.uint8))[i % 9 : i % 9 + n] for i, n in enumerate(sizes)]
         path = root / f"tf-direct-{os.getpid()}.bin"
         try:
             offsets, size, sha = dcp._write_file(path, bufs)
             data = path.read_bytes()
             assert size == len(data)
-            assert all(data[o:o + len(b)] == bytes(b) for o, b in zip(offsets, bufs))
+            assert all(data[o : o + len(b)] == bytes(b) for o, b in zip(offsets, bufs))
             assert offsets == sorted(offsets) and all(
-                o + len(b) <= nxt for o, b, nxt in zip(offsets, bufs, offsets[1:] + [size]))
+                o + len(b) <= nxt for o, b, nxt in zip(offsets, bufs, offsets[1:] + [size])
+            )
             assert size - sum(len(b) for b in bufs) <= 4095 * len(bufs)  # gaps under a block each
             assert sha == blake3(data).hexdigest()
         finally:
@@ -117,7 +119,7 @@ def test_layout_writes_large_buffers_from_their_own_memory():
     import numpy as np
 
     big = np.zeros((1 << 20) + 4096, dtype=np.uint8)
-    odd = memoryview(big)[100:100 + (1 << 20)]  # an address that is not block-aligned
+    odd = memoryview(big)[100 : 100 + (1 << 20)]  # an address that is not block-aligned
     small = memoryview(bytearray(1000))
     offsets, pieces, size = dcp._layout([small, odd, memoryview(b"read-only bytes")])
     direct = [(off, data) for off, data, is_direct in pieces if is_direct]

@@ -11,13 +11,35 @@ import pytest
 from trainflow.chips import parsers
 from trainflow.chips.detect import by_torch, detect
 from trainflow.chips.registry import (
-    FAMILIES, amp_dtype, bf16_rule, family_of_queue, get_family, parse_visible, propagated_env,
-    queue_for, rank_devices, worker_env,
+    FAMILIES,
+    amp_dtype,
+    bf16_rule,
+    family_of_queue,
+    get_family,
+    parse_visible,
+    propagated_env,
+    queue_for,
+    rank_devices,
+    worker_env,
 )
 
 DATA = Path(__file__).parent / "data" / "chips"
-REQUIRED = ("nvidia", "amd", "ascend", "cambricon", "hygon", "kunlunxin", "mthreads", "metax",
-            "iluvatar", "enflame", "biren", "gaudi", "intel-xpu", "cpu")
+REQUIRED = (
+    "nvidia",
+    "amd",
+    "ascend",
+    "cambricon",
+    "hygon",
+    "kunlunxin",
+    "mthreads",
+    "metax",
+    "iluvatar",
+    "enflame",
+    "biren",
+    "gaudi",
+    "intel-xpu",
+    "cpu",
+)
 
 
 # -- registry ---------------------------------------------------------------------------
@@ -38,21 +60,24 @@ def test_every_family_the_issue_names_is_registered_with_its_facts():
         assert all(v.startswith("0x") and len(v) == 6 for v in f.pci_vendor_ids)
 
 
-@pytest.mark.parametrize("name, device, backend, visible, resource", [
-    ("nvidia", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "nvidia.com/gpu"),
-    ("amd", "cuda", "nccl", "HIP_VISIBLE_DEVICES", "amd.com/gpu"),
-    ("ascend", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "huawei.com/Ascend910"),
-    ("cambricon", "mlu", "cncl", "MLU_VISIBLE_DEVICES", "cambricon.com/mlu"),
-    ("hygon", "cuda", "nccl", "HIP_VISIBLE_DEVICES", "hygon.com/dcu"),
-    ("kunlunxin", "cuda", "nccl", "XPU_VISIBLE_DEVICES", "kunlunxin.com/xpu"),
-    ("mthreads", "musa", "mccl", "MUSA_VISIBLE_DEVICES", "mthreads.com/gpu"),
-    ("metax", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "metax-tech.com/gpu"),
-    ("iluvatar", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "iluvatar.com/gpu"),
-    ("enflame", "gcu", "eccl", "TOPS_VISIBLE_DEVICES", "enflame.com/gcu"),
-    ("biren", "supa", "bccl", "SUPA_VISIBLE_DEVICES", "birentech.com/gpu"),
-    ("gaudi", "hpu", "hccl", "HABANA_VISIBLE_MODULES", "habana.ai/gaudi"),
-    ("intel-xpu", "xpu", "xccl", "ZE_AFFINITY_MASK", "gpu.intel.com/xe"),
-])
+@pytest.mark.parametrize(
+    "name, device, backend, visible, resource",
+    [
+        ("nvidia", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "nvidia.com/gpu"),
+        ("amd", "cuda", "nccl", "HIP_VISIBLE_DEVICES", "amd.com/gpu"),
+        ("ascend", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "huawei.com/Ascend910"),
+        ("cambricon", "mlu", "cncl", "MLU_VISIBLE_DEVICES", "cambricon.com/mlu"),
+        ("hygon", "cuda", "nccl", "HIP_VISIBLE_DEVICES", "hygon.com/dcu"),
+        ("kunlunxin", "cuda", "nccl", "XPU_VISIBLE_DEVICES", "kunlunxin.com/xpu"),
+        ("mthreads", "musa", "mccl", "MUSA_VISIBLE_DEVICES", "mthreads.com/gpu"),
+        ("metax", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "metax-tech.com/gpu"),
+        ("iluvatar", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", "iluvatar.com/gpu"),
+        ("enflame", "gcu", "eccl", "TOPS_VISIBLE_DEVICES", "enflame.com/gcu"),
+        ("biren", "supa", "bccl", "SUPA_VISIBLE_DEVICES", "birentech.com/gpu"),
+        ("gaudi", "hpu", "hccl", "HABANA_VISIBLE_MODULES", "habana.ai/gaudi"),
+        ("intel-xpu", "xpu", "xccl", "ZE_AFFINITY_MASK", "gpu.intel.com/xe"),
+    ],
+)
 def test_family_facts(name, device, backend, visible, resource):
     f = get_family(name, env={})
     assert (f.device_type, f.backend, f.visible_env, f.k8s_resource) == (device, backend, visible, resource)
@@ -65,12 +90,14 @@ def test_unknown_family_lists_the_known_ones():
 
 
 def test_unconfirmed_facts_are_overridable_by_configuration():
-    env = {"TRAINFLOW_CHIP_HYGON_K8S_RESOURCE": "hygon.com/dcunum",
-           "TRAINFLOW_CHIP_KUNLUNXIN_VISIBLE_ENVS": "XPU_VISIBLE_DEVICES",
-           "TRAINFLOW_CHIP_ASCEND_DEFAULT_ENV": "HCCL_CONNECT_TIMEOUT=900 HCCL_BUFFSIZE=200",
-           "TRAINFLOW_CHIP_INTEL_XPU_BF16": "no",
-           "TRAINFLOW_CHIP_NVIDIA_INVENTORY_CMD": "",
-           "TRAINFLOW_CHIP_BIREN_IMAGE": "registry.local/biren:1"}
+    env = {
+        "TRAINFLOW_CHIP_HYGON_K8S_RESOURCE": "hygon.com/dcunum",
+        "TRAINFLOW_CHIP_KUNLUNXIN_VISIBLE_ENVS": "XPU_VISIBLE_DEVICES",
+        "TRAINFLOW_CHIP_ASCEND_DEFAULT_ENV": "HCCL_CONNECT_TIMEOUT=900 HCCL_BUFFSIZE=200",
+        "TRAINFLOW_CHIP_INTEL_XPU_BF16": "no",
+        "TRAINFLOW_CHIP_NVIDIA_INVENTORY_CMD": "",
+        "TRAINFLOW_CHIP_BIREN_IMAGE": "registry.local/biren:1",
+    }
     assert get_family("hygon", env).k8s_resource == "hygon.com/dcunum"
     assert get_family("kunlunxin", env).visible_envs == ("XPU_VISIBLE_DEVICES",)
     assert get_family("ascend", env).default_env == {"HCCL_CONNECT_TIMEOUT": "900", "HCCL_BUFFSIZE": "200"}
@@ -95,21 +122,24 @@ def test_queues_per_family_and_model():
 
 
 # -- bf16 rule --------------------------------------------------------------------------
-@pytest.mark.parametrize("name, probe, dtype", [
-    ("nvidia", {"capability": (9, 0)}, "bfloat16"),
-    ("nvidia", {"capability": (7, 5)}, "float16"),
-    ("ascend", {"device_name": "Ascend910B3"}, "bfloat16"),
-    ("ascend", {"device_name": "Ascend310P3"}, "float16"),
-    ("cambricon", {"capability": (5, 0)}, "bfloat16"),
-    ("cambricon", {"capability": (3, 0)}, "float16"),
-    ("mthreads", {"capability": (2, 2)}, "bfloat16"),
-    ("mthreads", {"capability": (2, 1)}, "float16"),
-    ("amd", {"runtime_bf16": True}, "bfloat16"),
-    ("amd", {}, "float16"),
-    ("gaudi", {}, "bfloat16"),
-    ("cpu", {}, "bfloat16"),
-    ("intel-xpu", {"runtime_bf16": False}, "float16"),  # the device's own answer vetoes
-])
+@pytest.mark.parametrize(
+    "name, probe, dtype",
+    [
+        ("nvidia", {"capability": (9, 0)}, "bfloat16"),
+        ("nvidia", {"capability": (7, 5)}, "float16"),
+        ("ascend", {"device_name": "Ascend910B3"}, "bfloat16"),
+        ("ascend", {"device_name": "Ascend310P3"}, "float16"),
+        ("cambricon", {"capability": (5, 0)}, "bfloat16"),
+        ("cambricon", {"capability": (3, 0)}, "float16"),
+        ("mthreads", {"capability": (2, 2)}, "bfloat16"),
+        ("mthreads", {"capability": (2, 1)}, "float16"),
+        ("amd", {"runtime_bf16": True}, "bfloat16"),
+        ("amd", {}, "float16"),
+        ("gaudi", {}, "bfloat16"),
+        ("cpu", {}, "bfloat16"),
+        ("intel-xpu", {"runtime_bf16": False}, "float16"),  # the device's own answer vetoes
+    ],
+)
 def test_amp_dtype_follows_the_bf16_rule(name, probe, dtype):
     assert amp_dtype(get_family(name, env={}), **probe) == dtype
 
@@ -171,23 +201,26 @@ def test_propagated_env_takes_the_family_prefixes():
 
 
 # -- parsers: recorded outputs of each vendor CLI (provenance: data/chips/SOURCES.md) ---
-@pytest.mark.parametrize("family, sample, indices, name, healthy", [
-    ("nvidia", "nvidia-smi.csv", [0], "Tesla P100-PCIE-16GB", [None]),
-    ("amd", "amd-smi-list.txt", [0, 1], None, [None] * 2),
-    ("ascend", "npu-smi-info.txt", list(range(8)), "910B4", [True] * 8),
-    ("ascend", "npu-smi-info-warning.txt", [0, 1, 2, 3], "xxx", [True, True, True, False]),
-    ("ascend", "npu-smi-info-l.txt", list(range(8)), None, [None] * 8),
-    ("cambricon", "cnmon.txt", [0, 1], "MLU370-X4", [None] * 2),
-    ("hygon", "hy-smi.txt", [0, 1, 2, 3], None, [None] * 4),
-    ("kunlunxin", "xpu-smi-kunlunxin.txt", [0, 1, 2, 3], "P800 OAM", [None] * 4),
-    ("mthreads", "mthreads-gmi.txt", [0, 1, 2, 3], "MTT S5000", [None] * 4),
-    ("metax", "mx-smi.txt", [0], "MetaX C500", [True]),
-    ("iluvatar", "ixsmi.txt", [0, 1, 2, 3], "Iluvatar BI-V100", [None] * 4),
-    ("enflame", "efsmi.txt", [0, 1], "Enflame S60G", [None] * 2),
-    ("biren", "brsmi-gpu-list.txt", [0, 1], "BIREN 106C", [None] * 2),
-    ("gaudi", "hl-smi-Q.csv", list(range(8)), None, [None] * 8),
-    ("intel-xpu", "xpu-smi-discovery.json", [0, 1], "Intel(R) Data Center GPU Max 1100", [None] * 2),
-])
+@pytest.mark.parametrize(
+    "family, sample, indices, name, healthy",
+    [
+        ("nvidia", "nvidia-smi.csv", [0], "Tesla P100-PCIE-16GB", [None]),
+        ("amd", "amd-smi-list.txt", [0, 1], None, [None] * 2),
+        ("ascend", "npu-smi-info.txt", list(range(8)), "910B4", [True] * 8),
+        ("ascend", "npu-smi-info-warning.txt", [0, 1, 2, 3], "xxx", [True, True, True, False]),
+        ("ascend", "npu-smi-info-l.txt", list(range(8)), None, [None] * 8),
+        ("cambricon", "cnmon.txt", [0, 1], "MLU370-X4", [None] * 2),
+        ("hygon", "hy-smi.txt", [0, 1, 2, 3], None, [None] * 4),
+        ("kunlunxin", "xpu-smi-kunlunxin.txt", [0, 1, 2, 3], "P800 OAM", [None] * 4),
+        ("mthreads", "mthreads-gmi.txt", [0, 1, 2, 3], "MTT S5000", [None] * 4),
+        ("metax", "mx-smi.txt", [0], "MetaX C500", [True]),
+        ("iluvatar", "ixsmi.txt", [0, 1, 2, 3], "Iluvatar BI-V100", [None] * 4),
+        ("enflame", "efsmi.txt", [0, 1], "Enflame S60G", [None] * 2),
+        ("biren", "brsmi-gpu-list.txt", [0, 1], "BIREN 106C", [None] * 2),
+        ("gaudi", "hl-smi-Q.csv", list(range(8)), None, [None] * 8),
+        ("intel-xpu", "xpu-smi-discovery.json", [0, 1], "Intel(R) Data Center GPU Max 1100", [None] * 2),
+    ],
+)
 def test_parsers_read_recorded_vendor_output(family, sample, indices, name, healthy):
     devices = parsers.parse(family, (DATA / sample).read_text())
     assert [d.index for d in devices] == indices
@@ -264,11 +297,18 @@ def test_environment_override_beats_hardware(tmp_path, monkeypatch):
         detect(env={"TRAINFLOW_CHIP": "gpu"}, sysfs=sysfs, dev=tmp_path)
 
 
-@pytest.mark.parametrize("module, family", [
-    ("torch_npu", "ascend"), ("torch_mlu", "cambricon"), ("torch_musa", "mthreads"),
-    ("torch_gcu", "enflame"), ("torch_supa", "biren"), ("habana_frameworks.torch", "gaudi"),
-    ("torch_xmlir", "kunlunxin"),
-])
+@pytest.mark.parametrize(
+    "module, family",
+    [
+        ("torch_npu", "ascend"),
+        ("torch_mlu", "cambricon"),
+        ("torch_musa", "mthreads"),
+        ("torch_gcu", "enflame"),
+        ("torch_supa", "biren"),
+        ("habana_frameworks.torch", "gaudi"),
+        ("torch_xmlir", "kunlunxin"),
+    ],
+)
 def test_an_installed_extension_is_found_without_importing_it(tmp_path, monkeypatch, module, family, empty):
     _fake_extension(tmp_path, module, monkeypatch)
     d = detect(env={}, torch_probe=_no_torch, **empty)
@@ -285,27 +325,47 @@ def test_extension_beats_pci_and_two_stacks_prefer_the_present_hardware(tmp_path
     assert "also installed: ascend" in d.evidence
 
 
-@pytest.mark.parametrize("vendor, family", [
-    ("0x10de", "nvidia"), ("0x1002", "amd"), ("0x1d94", "hygon"), ("0x9999", "metax"),
-    ("0x1e3e", "iluvatar"), ("0x19e5", "ascend"), ("0xcabc", "cambricon"), ("0x1ed5", "mthreads"),
-    ("0x1da3", "gaudi"),
-])
+@pytest.mark.parametrize(
+    "vendor, family",
+    [
+        ("0x10de", "nvidia"),
+        ("0x1002", "amd"),
+        ("0x1d94", "hygon"),
+        ("0x9999", "metax"),
+        ("0x1e3e", "iluvatar"),
+        ("0x19e5", "ascend"),
+        ("0xcabc", "cambricon"),
+        ("0x1ed5", "mthreads"),
+        ("0x1da3", "gaudi"),
+    ],
+)
 def test_pci_vendor_ids_tell_the_cuda_presenters_apart(tmp_path, vendor, family):
     (tmp_path / "dev").mkdir()
     # Two compute functions of the vendor, plus its audio function and an Intel NIC and
     # host bridge, which are not accelerators.
-    sysfs = _sysfs(tmp_path, [(vendor, "0x030200"), (vendor, "0x120000"), (vendor, "0x040300"),
-                              ("0x8086", "0x020000"), ("0x8086", "0x060000")])
+    sysfs = _sysfs(
+        tmp_path,
+        [
+            (vendor, "0x030200"),
+            (vendor, "0x120000"),
+            (vendor, "0x040300"),
+            ("0x8086", "0x020000"),
+            ("0x8086", "0x060000"),
+        ],
+    )
     d = detect(env={}, sysfs=sysfs, dev=tmp_path / "dev", torch_probe=_no_torch)
     assert (d.family, d.source, d.devices) == (family, "pci", 2)
 
 
-@pytest.mark.parametrize("nodes, family", [
-    (["davinci0", "davinci1", "davinci_manager"], "ascend"),
-    (["xpu0", "xpu1", "xpu2", "xpuctrl"], "kunlunxin"),
-    (["nvidia0", "nvidiactl"], "nvidia"),
-    (["cambricon_dev0"], "cambricon"),
-])
+@pytest.mark.parametrize(
+    "nodes, family",
+    [
+        (["davinci0", "davinci1", "davinci_manager"], "ascend"),
+        (["xpu0", "xpu1", "xpu2", "xpuctrl"], "kunlunxin"),
+        (["nvidia0", "nvidiactl"], "nvidia"),
+        (["cambricon_dev0"], "cambricon"),
+    ],
+)
 def test_device_nodes_when_sysfs_shows_nothing(tmp_path, nodes, family, empty):
     for n in nodes:
         (empty["dev"] / n).write_text("")
@@ -314,14 +374,17 @@ def test_device_nodes_when_sysfs_shows_nothing(tmp_path, nodes, family, empty):
     assert d.devices == sum(1 for n in nodes if n[-1].isdigit())
 
 
-@pytest.mark.parametrize("probe, family", [
-    ({"cuda": 8, "hip": None}, "nvidia"),
-    ({"cuda": 8, "hip": "6.3.1"}, "amd"),
-    ({"cuda": 8, "hip": "5.7", "hcu": True}, "hygon"),
-    ({"cuda": 4, "corex": True}, "iluvatar"),
-    ({"cuda": 0, "xpu": 2}, "intel-xpu"),
-    ({"cuda": 0, "xpu": 0}, None),
-])
+@pytest.mark.parametrize(
+    "probe, family",
+    [
+        ({"cuda": 8, "hip": None}, "nvidia"),
+        ({"cuda": 8, "hip": "6.3.1"}, "amd"),
+        ({"cuda": 8, "hip": "5.7", "hcu": True}, "hygon"),
+        ({"cuda": 4, "corex": True}, "iluvatar"),
+        ({"cuda": 0, "xpu": 2}, "intel-xpu"),
+        ({"cuda": 0, "xpu": 0}, None),
+    ],
+)
 def test_torch_probe_last(probe, family, empty):
     assert by_torch(probe) == family
     d = detect(env={}, torch_probe=lambda: probe, **empty)

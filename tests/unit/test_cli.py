@@ -26,8 +26,15 @@ def test_pool_shows_resizes_and_sets_the_admission_policy(tmp_path, monkeypatch,
     monkeypatch.setenv("TRAINFLOW_STATE_DB", str(tmp_path / "state.db"))
     monkeypatch.setenv("TRAINFLOW_EMBEDDED_NODES", "4")
     assert main(["pool"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"pool": "embedded", "nodes": 4, "policy": "priority",
-                                                   "hosts": [], "quotas": {}, "leases": [], "queue": []}
+    assert json.loads(capsys.readouterr().out) == {
+        "pool": "embedded",
+        "nodes": 4,
+        "policy": "priority",
+        "hosts": [],
+        "quotas": {},
+        "leases": [],
+        "queue": [],
+    }
     assert main(["pool", "--policy", "backfill"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["nodes"], out["policy"]) == (4, "backfill")

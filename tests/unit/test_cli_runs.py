@@ -42,15 +42,26 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/api/v2/dags/train_digits/dagRuns/") and len(parts) == 7:
             run = parts[6]
             if run not in RUNS:
-                return self._send(404, {"detail": f"The DagRun with dag_id: `train_digits` and run_id: `{run}` "
-                                                  "was not found"})
+                return self._send(
+                    404, {"detail": f"The DagRun with dag_id: `train_digits` and run_id: `{run}` was not found"}
+                )
             return self._send(200, {"dag_run_id": run, "state": RUNS[run], "conf": {"tenant": "t"}})
         if self.path.endswith("/taskInstances?limit=1000"):
-            return self._send(200, {"task_instances": [
-                {"task_id": "shard_train", "map_index": 0, "state": "success", "try_number": 1}]})
+            return self._send(
+                200,
+                {"task_instances": [{"task_id": "shard_train", "map_index": 0, "state": "success", "try_number": 1}]},
+            )
         if self.path.startswith("/trainflow/api/runs/t/train_digits/"):
-            return self._send(200, {"step": 150, "total_steps": 300, "loss": 0.25, "samples_per_s": 900.0,
-                                    "ranks": [{"healthy": True}, {"healthy": False}]})
+            return self._send(
+                200,
+                {
+                    "step": 150,
+                    "total_steps": 300,
+                    "loss": 0.25,
+                    "samples_per_s": 900.0,
+                    "ranks": [{"healthy": True}, {"healthy": False}],
+                },
+            )
         self._send(404, {"detail": "unknown path"})
 
 
@@ -96,8 +107,16 @@ def test_an_unreachable_server_exits_3(monkeypatch, capsys):
 
 
 def test_progress_line_shows_steps_loss_eta_and_health():
-    st = {"state": "running", "progress": {"step": 100, "total_steps": 400, "loss": 0.5, "samples_per_s": 1200.0,
-                                           "ranks": [{"healthy": True, "in_gang": True}] * 2}}
+    st = {
+        "state": "running",
+        "progress": {
+            "step": 100,
+            "total_steps": 400,
+            "loss": 0.5,
+            "samples_per_s": 1200.0,
+            "ranks": [{"healthy": True, "in_gang": True}] * 2,
+        },
+    }
     line = progress_line(st, started=0.0, now=60.0)
     assert "[######..................] 100/400" in line
     assert "loss 0.5000" in line and "1200 samples/s" in line and "ETA 3m00s" in line
@@ -109,8 +128,12 @@ class _RacingAirflow:
     deferring as it is cancelled, and its deferral lands just after the new state."""
 
     def __init__(self) -> None:
-        self.states = {("heartbeat_watch", -1): "running", ("shard_train", 0): "running",
-                       ("shard_train", 1): "running", ("release", -1): None}
+        self.states = {
+            ("heartbeat_watch", -1): "running",
+            ("shard_train", 0): "running",
+            ("shard_train", 1): "running",
+            ("release", -1): None,
+        }
         self.patched: list[str] = []
         self.landed = False
 

@@ -9,8 +9,12 @@ from trainflow.data import shard_indices
 
 def _epoch(n, world, batch, seed=7):
     steps = n // (world * batch)
-    return [i for s in range(steps) for r in range(world)
-            for i in shard_indices(n=n, seed=seed, step=s, batch_size=batch, world_size=world, rank=r)]
+    return [
+        i
+        for s in range(steps)
+        for r in range(world)
+        for i in shard_indices(n=n, seed=seed, step=s, batch_size=batch, world_size=world, rank=r)
+    ]
 
 
 @pytest.mark.parametrize("world,batch", [(1, 8), (2, 4), (4, 2)])
@@ -61,4 +65,5 @@ def test_fixed_size_positions_are_unchanged():
         for rank in range(3):
             pos = rank_positions(position=step * 48, global_batch=48, world_size=3, rank=rank)
             assert indices_at(n=100, seed=5, positions=pos) == shard_indices(
-                n=100, seed=5, step=step, batch_size=16, world_size=3, rank=rank)
+                n=100, seed=5, step=step, batch_size=16, world_size=3, rank=rank
+            )

@@ -28,15 +28,20 @@ def _tool(name: str) -> str:
 
 
 def _compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([_tool("docker-compose"), "-f", str(DOCKER / "docker-compose.yaml"), *args],
-                          capture_output=True, text=True, env={"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})},
-                          timeout=120)
+    return subprocess.run(
+        [_tool("docker-compose"), "-f", str(DOCKER / "docker-compose.yaml"), *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})},
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("dockerfile", sorted(p.name for p in DOCKER.glob("Dockerfile.*")))
 def test_hadolint_passes(dockerfile):
-    done = subprocess.run([_tool("hadolint"), "--no-color", str(DOCKER / dockerfile)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -61,8 +66,9 @@ def test_compose_config_is_valid(profiles):
     done = _compose(*args, "config", "-q", env=SECRETS)
     assert done.returncode == 0, done.stderr
     services = _compose(*args, "config", "--services", env=SECRETS).stdout.split()
-    assert {"postgres", "redis", "minio", "api-server", "scheduler", "dag-processor", "triggerer",
-            "worker-cpu"} <= set(services)
+    assert {"postgres", "redis", "minio", "api-server", "scheduler", "dag-processor", "triggerer", "worker-cpu"} <= set(
+        services
+    )
     assert ("worker-nvidia" in services) == ("gpu" in profiles)
     assert ("worker-ascend" in services) == ("npu" in profiles)
 

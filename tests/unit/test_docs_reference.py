@@ -37,10 +37,14 @@ def test_every_subcommand_has_a_section():
         assert f"\n## trainflow {name}\n" in text, name
 
 
-@pytest.mark.parametrize("sections, error", [
-    ({"Gang": ("nodes", "no_such_field")}, "'no_such_field', which is not a TrainingSpec field"),
-    ({"Gang": ("nodes",), "Chip": ("nodes",)}, "'nodes' is in more than one of SECTIONS"),
-], ids=["unknown-field", "field-twice"])
+@pytest.mark.parametrize(
+    "sections, error",
+    [
+        ({"Gang": ("nodes", "no_such_field")}, "'no_such_field', which is not a TrainingSpec field"),
+        ({"Gang": ("nodes",), "Chip": ("nodes",)}, "'nodes' is in more than one of SECTIONS"),
+    ],
+    ids=["unknown-field", "field-twice"],
+)
 def test_sections_that_disagree_with_the_spec_are_refused(monkeypatch, sections, error):
     monkeypatch.setattr("trainflow.spec.SECTIONS", sections)
     with pytest.raises(ValueError, match=re.escape(error)):

@@ -34,10 +34,16 @@ def _fake_cli(bin_dir: Path, name: str, sample: str | None, rc: int = 0) -> None
 
 
 def _doctor(tmp_path, *args, extra_env=None):
-    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
-           "TRAINFLOW_HOME": str(tmp_path / "home"), "TRAINFLOW_HOST": "host-a", **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "trainflow.cli", "doctor", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TRAINFLOW_HOME": str(tmp_path / "home"),
+        "TRAINFLOW_HOST": "host-a",
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "trainflow.cli", "doctor", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_doctor_on_a_healthy_ascend_host(tmp_path):
@@ -68,7 +74,10 @@ def test_doctor_exits_1_when_the_vendor_cli_fails_or_is_missing(tmp_path):
     assert failed.returncode == 1 and "cnmon: exited 3" in failed.stdout and "UNHEALTHY" in failed.stdout
     missing = _doctor(tmp_path, "--chip", "mthreads")
     assert missing.returncode == 1
-    assert "'mthreads-gmi' not found; install the vendor tools or set TRAINFLOW_CHIP_MTHREADS_INVENTORY_CMD" in missing.stdout
+    assert (
+        "'mthreads-gmi' not found; install the vendor tools or set TRAINFLOW_CHIP_MTHREADS_INVENTORY_CMD"
+        in missing.stdout
+    )
 
 
 def test_doctor_detects_from_the_environment_and_registers_the_host(tmp_path):
@@ -96,8 +105,11 @@ def test_doctor_on_this_cpu_host(tmp_path):
 
 # -- preflight device checks -------------------------------------------------------------
 def _plan(tmp_path, chip="metax", nproc=1):
-    return {"spec": {"chip": chip, "nproc_per_node": nproc}, "run_dir": str(tmp_path / "run"),
-            "rendezvous": {"endpoint": f"127.0.0.1:{free_port()}"}}
+    return {
+        "spec": {"chip": chip, "nproc_per_node": nproc},
+        "run_dir": str(tmp_path / "run"),
+        "rendezvous": {"endpoint": f"127.0.0.1:{free_port()}"},
+    }
 
 
 def test_preflight_counts_devices_and_reads_device_health(tmp_path, monkeypatch):
@@ -118,15 +130,18 @@ def test_preflight_counts_devices_and_reads_device_health(tmp_path, monkeypatch)
 
 
 # -- routing and provision ---------------------------------------------------------------
-@pytest.mark.parametrize("conf, current, queue", [
-    ({"chip": "ascend"}, "cpu", "ascend-910b"),
-    ({"chip": "ascend", "chip_model": "910c"}, "cpu", "ascend-910c"),
-    ({"chip_model": "h100"}, "nvidia-gpu", "nvidia-h100"),
-    ({"chip": "nvidia"}, "nvidia-h100", "nvidia-h100"),  # the DAG's model of the same family
-    ({"chip": "amd"}, "nvidia-h100", "amd-gpu"),
-    ({"chip_model": "Bad Model"}, "nvidia-gpu", None),
-    ({"steps": 5}, "nvidia-gpu", None),
-])
+@pytest.mark.parametrize(
+    "conf, current, queue",
+    [
+        ({"chip": "ascend"}, "cpu", "ascend-910b"),
+        ({"chip": "ascend", "chip_model": "910c"}, "cpu", "ascend-910c"),
+        ({"chip_model": "h100"}, "nvidia-gpu", "nvidia-h100"),
+        ({"chip": "nvidia"}, "nvidia-h100", "nvidia-h100"),  # the DAG's model of the same family
+        ({"chip": "amd"}, "nvidia-h100", "amd-gpu"),
+        ({"chip_model": "Bad Model"}, "nvidia-gpu", None),
+        ({"steps": 5}, "nvidia-gpu", None),
+    ],
+)
 def test_node_queue_with_models(conf, current, queue):
     assert node_queue("shard_train", conf, current) == queue
 
@@ -154,8 +169,11 @@ def test_precision_enters_the_training_hash_only_when_not_fp32():
 def test_provision_refuses_nproc_beyond_every_registered_host():
     spec = TrainingSpec.from_mapping({"chip": "ascend", "nproc_per_node": 16})
     hosts = [{"host": "a", "devices": 8}, {"host": "b", "devices": 4}]
-    with pytest.raises(SpecError, match=r"no host of queue 'ascend-910b' has that many devices \(the "
-                                        r"largest, a, has 8\); use at most 8") as err:
+    with pytest.raises(
+        SpecError,
+        match=r"no host of queue 'ascend-910b' has that many devices \(the "
+        r"largest, a, has 8\); use at most 8",
+    ) as err:
         check_devices(spec, hosts)
     assert err.value.field == "nproc_per_node"
     ok = TrainingSpec.from_mapping({"chip": "ascend", "nproc_per_node": 8})
@@ -181,9 +199,13 @@ def test_gpu_check_skips_with_the_reason_where_there_is_no_gpu(tmp_path):
     if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
         pytest.skip("an NVIDIA host: run bench/gpu_check.py itself")
     repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(repo / "bench" / "gpu_check.py"), "--out", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, str(repo / "bench" / "gpu_check.py"), "--out", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert done.returncode == 77, done.stderr
     assert "gpu_check: skipped, no healthy NVIDIA GPU here: 'nvidia-smi' not found" in done.stderr
     assert not (tmp_path / "r.json").exists()
@@ -194,20 +216,56 @@ def test_worker_registers_the_host_in_its_pool_with_labels_then_runs_celery(tmp_
     """`trainflow worker` (what the images and compose run): the doctor's registration
     with a pool and labels, then the Celery worker command for the queues."""
     _fake_cli(tmp_path / "bin", "hy-smi", "hy-smi.txt")
-    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "TRAINFLOW_HOME": str(tmp_path / "home"),
-           "TRAINFLOW_HOST": "host-b"}
-    done = subprocess.run([sys.executable, "-m", "trainflow.cli", "worker", "--queues", "default,hygon-dcu",
-                           "--pool", "dcu", "--label", "rack=r7", "--dry-run"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TRAINFLOW_HOME": str(tmp_path / "home"),
+        "TRAINFLOW_HOST": "host-b",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainflow.cli",
+            "worker",
+            "--queues",
+            "default,hygon-dcu",
+            "--pool",
+            "dcu",
+            "--label",
+            "rack=r7",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     first, command = done.stdout.strip().splitlines()
-    assert json.loads(first) == {"queue": "hygon-dcu", "devices": 4, "healthy": True, "registered": "host-b",
-                                 "pool": "dcu", "labels": {"rack": "r7"}}
+    assert json.loads(first) == {
+        "queue": "hygon-dcu",
+        "devices": 4,
+        "healthy": True,
+        "registered": "host-b",
+        "pool": "dcu",
+        "labels": {"rack": "r7"},
+    }
     # its chip queue, and its own queue of it: where trainflow places node tasks on this host
     assert command.endswith("airflow celery worker --queues default,hygon-dcu,hygon-dcu@host-b --concurrency 1")
     (row,) = HostRegistry(tmp_path / "home" / "state.db").inventory(pool="dcu")
-    assert (row["host"], row["queue"], row["devices"], row["labels"], row["cordoned"]) == \
-        ("host-b", "hygon-dcu", 4, {"rack": "r7"}, None)
-    bad = subprocess.run([sys.executable, "-m", "trainflow.cli", "doctor", "--register", "--label", "rack"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    assert (row["host"], row["queue"], row["devices"], row["labels"], row["cordoned"]) == (
+        "host-b",
+        "hygon-dcu",
+        4,
+        {"rack": "r7"},
+        None,
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainflow.cli", "doctor", "--register", "--label", "rack"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "invalid --label='rack': name=value" in bad.stderr

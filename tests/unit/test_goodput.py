@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainflow.faults import FaultKind, parse_faults
 from trainflow.errors import SpecError
+from trainflow.faults import FaultKind, parse_faults
 from trainflow.goodput import fault_records, summarize
 from trainflow.timeline import record
 
@@ -56,8 +56,7 @@ def test_parse_faults():
 
 
 def test_parse_faults_with_durations():
-    (f,) = parse_faults([{"kind": "delay_heartbeats", "step": 3, "rank": 1, "seconds": 7}],
-                        world_size=2, steps=10)
+    (f,) = parse_faults([{"kind": "delay_heartbeats", "step": 3, "rank": 1, "seconds": 7}], world_size=2, steps=10)
     assert f.seconds == 7.0 and f.to_dict()["seconds"] == 7.0
     with pytest.raises(SpecError, match=r"faults\[0\]\.seconds.*needs seconds > 0"):
         parse_faults([{"kind": "delay_heartbeats", "step": 3}], world_size=2, steps=10)

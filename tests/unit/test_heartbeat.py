@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-from trainflow.heartbeat import (HeartbeatPolicy, HeartbeatWriter, RankState, Verdict, classify,
-                                 read_all)
+from trainflow.heartbeat import HeartbeatPolicy, HeartbeatWriter, RankState, Verdict, classify, read_all
 
 POLICY = HeartbeatPolicy(timeout=10, startup_timeout=60)
 
@@ -157,11 +156,31 @@ def test_a_restarted_watch_opens_its_startup_window_again(tmp_path):
     (tmp_path / "heartbeats").mkdir()
     old = time.time() - 600
     for rank in (0, 1):
-        (tmp_path / "heartbeats" / f"rank-{rank:05d}.json").write_text(json.dumps(
-            {"rank": rank, "node": rank, "step": 200, "total": 600, "state": "training", "time": old,
-             "progress_time": old, "alive": old, "world": 2, "started": old - 60}))
-    trigger = HeartbeatTrigger(run_dir=str(tmp_path), world_size=2, timeout=10, startup_timeout=2,
-                               started_at=old - 60, poll_interval=0.1, max_remediations=0)
+        (tmp_path / "heartbeats" / f"rank-{rank:05d}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "node": rank,
+                    "step": 200,
+                    "total": 600,
+                    "state": "training",
+                    "time": old,
+                    "progress_time": old,
+                    "alive": old,
+                    "world": 2,
+                    "started": old - 60,
+                }
+            )
+        )
+    trigger = HeartbeatTrigger(
+        run_dir=str(tmp_path),
+        world_size=2,
+        timeout=10,
+        startup_timeout=2,
+        started_at=old - 60,
+        poll_interval=0.1,
+        max_remediations=0,
+    )
 
     async def first_event():
         async for event in trigger.run():
@@ -183,7 +202,8 @@ def test_replacement_requests_a_node_task_never_takes_still_count_against_the_bu
 
     (tmp_path / "heartbeats").mkdir()
     HeartbeatWriter(tmp_path / "heartbeats", rank=1, node=0, interval=1.0, world=2).beat(
-        step=5, total=10, state=RankState.TRAINING, force=True)
+        step=5, total=10, state=RankState.TRAINING, force=True
+    )
     stalled = Classification(Verdict.STALLED, "rank 1 stalled", ranks=(1,), steps={1: 5})
     for i in range(3):
         assert request_node_restart(tmp_path, stalled, now=100.0 + i) == [0]
@@ -194,8 +214,7 @@ def test_replacement_requests_a_node_task_never_takes_still_count_against_the_bu
 def test_a_rank_whose_node_task_restarted_since_its_last_progress_gets_the_startup_window(tmp_path):
     # Rank 1's node task was killed at t=100 (its last beat stays "training" at step 199) and
     # Airflow's retry started the node's agent again at t=112; its workers start cold.
-    beats = {0: {**beat(0, 0, "starting", progress=104), "node": 1},
-             1: {**beat(1, 199, progress=100), "node": 0}}
+    beats = {0: {**beat(0, 0, "starting", progress=104), "node": 1}, 1: {**beat(1, 199, progress=100), "node": 0}}
     node_started = {0: 112.0, 1: 50.0}
     assert classify(beats, now=121, world_size=2, started_at=90, policy=POLICY).verdict == Verdict.STALLED
     c = classify(beats, now=121, world_size=2, started_at=90, policy=POLICY, node_started=node_started)
@@ -214,8 +233,7 @@ def test_node_starts_reads_each_nodes_current_agent(tmp_path):
 
     assert node_starts(tmp_path) == {}
     (tmp_path / "nodes").mkdir()
-    write_json_atomic(tmp_path / "nodes" / "node-0000.json", {"node": 0, "state": "running", "pid": 1,
-                                                              "started": 12.5})
+    write_json_atomic(tmp_path / "nodes" / "node-0000.json", {"node": 0, "state": "running", "pid": 1, "started": 12.5})
     write_json_atomic(tmp_path / "nodes" / "node-0001.json", {"node": 1, "state": "running"})  # no start
     (tmp_path / "nodes" / "node-0002.json").write_text("{not json")
     write_json_atomic(tmp_path / "nodes" / "task-0000.json", {"host": "vm", "try": 2})

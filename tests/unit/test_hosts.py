@@ -35,15 +35,15 @@ def test_failures_in_the_window_cordon_the_host(registry):
 
 def test_cordon_policy_from_env():
     assert CordonPolicy.from_env({}) == CordonPolicy(3, 600.0)
-    assert CordonPolicy.from_env({"TRAINFLOW_CORDON_FAILURES": "1",
-                                  "TRAINFLOW_CORDON_WINDOW_S": "30"}) == CordonPolicy(1, 30.0)
+    assert CordonPolicy.from_env({"TRAINFLOW_CORDON_FAILURES": "1", "TRAINFLOW_CORDON_WINDOW_S": "30"}) == CordonPolicy(
+        1, 30.0
+    )
     with pytest.raises(ValueError, match="TRAINFLOW_CORDON_FAILURES"):
         CordonPolicy.from_env({"TRAINFLOW_CORDON_FAILURES": "0"})
 
 
 def _plan(tmp_path, port):
-    return {"spec": {"chip": "cpu"}, "run_dir": str(tmp_path / "run"),
-            "rendezvous": {"endpoint": f"127.0.0.1:{port}"}}
+    return {"spec": {"chip": "cpu"}, "run_dir": str(tmp_path / "run"), "rendezvous": {"endpoint": f"127.0.0.1:{port}"}}
 
 
 def test_preflight_passes_on_a_healthy_host(tmp_path, registry, monkeypatch):
@@ -68,8 +68,11 @@ def test_failed_chip_health_cordons_and_a_later_pass_lifts_it(tmp_path, registry
 
 def test_missing_health_tool_names_the_fix_and_does_not_cordon(tmp_path, registry, monkeypatch):
     monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "no-such-smi -L")
-    with pytest.raises(PreflightError, match="not found; install .*TRAINFLOW_CHIP_CPU_HEALTH_CMD "
-                                             r"\(not installed on this host\)"):
+    with pytest.raises(
+        PreflightError,
+        match="not found; install .*TRAINFLOW_CHIP_CPU_HEALTH_CMD "
+        r"\(not installed on this host\)",
+    ):
         preflight.run(_plan(tmp_path, free_port()), 0, host="h", registry=registry, policy=POLICY)
     assert registry.cordoned("h") is None  # a setup error of the host, not a chip fault
 
@@ -182,13 +185,24 @@ def test_inventory_pools_size_the_pool_and_cordons_shrink_it(state_target):
 
     hosts, alloc = HostRegistry(state_target), Allocator(state_target)
     for i, rack in enumerate(("r1", "r1", "r2")):
-        hosts.register(f"gpu-{i}", queue="nvidia-h100", family="nvidia", devices=8, pool="h100",
-                       model="h100", labels={"rack": rack}, now=100)
+        hosts.register(
+            f"gpu-{i}",
+            queue="nvidia-h100",
+            family="nvidia",
+            devices=8,
+            pool="h100",
+            model="h100",
+            labels={"rack": rack},
+            now=100,
+        )
     hosts.register("cpu-0", queue="cpu", family="cpu", devices=2, now=100)
     assert alloc.pools() == {"cpu": 1, "h100": 3}
     rows = hosts.inventory(pool="h100")
     assert [(r["host"], r["labels"]["rack"], r["model"], r["devices"]) for r in rows] == [
-        ("gpu-0", "r1", "h100", 8), ("gpu-1", "r1", "h100", 8), ("gpu-2", "r2", "h100", 8)]
+        ("gpu-0", "r1", "h100", 8),
+        ("gpu-1", "r1", "h100", 8),
+        ("gpu-2", "r2", "h100", 8),
+    ]
     hosts.cordon("gpu-1", reason="ECC errors")
     assert alloc.capacity("h100") == 2 and hosts.inventory(pool="h100")[1]["cordoned"] == "ECC errors"
     assert isinstance(alloc.request("r1", tenant="t", pool="h100", nodes=2, ttl=60, now=1), Lease)
@@ -211,8 +225,10 @@ def test_an_inventory_table_from_an_older_release_gains_the_new_columns(tmp_path
 
     db = tmp_path / "state.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE inventory (host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, "
-                "devices INTEGER NOT NULL, time REAL NOT NULL)")
+    con.execute(
+        "CREATE TABLE inventory (host TEXT PRIMARY KEY, queue TEXT NOT NULL, family TEXT NOT NULL, "
+        "devices INTEGER NOT NULL, time REAL NOT NULL)"
+    )
     con.execute("INSERT INTO inventory VALUES ('old-host', 'cpu', 'cpu', 2, 1.0)")
     con.commit()
     con.close()
@@ -220,4 +236,7 @@ def test_an_inventory_table_from_an_older_release_gains_the_new_columns(tmp_path
     (row,) = hosts.inventory()
     assert (row["host"], row["pool"], row["labels"], row["model"]) == ("old-host", "cpu", {}, "")
     hosts.register("new-host", queue="cpu", family="cpu", devices=2, labels={"rack": "r1"})
-    assert [(r["host"], r["labels"]) for r in HostRegistry(db).inventory()] == [("new-host", {"rack": "r1"}), ("old-host", {})]
+    assert [(r["host"], r["labels"]) for r in HostRegistry(db).inventory()] == [
+        ("new-host", {"rack": "r1"}),
+        ("old-host", {}),
+    ]

@@ -18,8 +18,7 @@ HISTORY = re.compile(r"\b(this session|session \d+|earlier runs?|issue #?\d+|DES
 
 
 def _tool(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def _prose() -> list[Path]:
@@ -64,7 +63,11 @@ def test_the_readme_is_short():
 
 
 def test_prose_carries_no_development_history():
-    found = [f"{path.relative_to(REPO)}:{n}: {m.group(0)}" for path in _prose()
-             for n, line in enumerate(path.read_text().splitlines(), 1) for m in [HISTORY.search(line)] if m]
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {m.group(0)}"
+        for path in _prose()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in [HISTORY.search(line)]
+        if m
+    ]
     assert not found, "history belongs in git log:\n" + "\n".join(found)
-

@@ -21,10 +21,13 @@ def cluster(tmp_path, monkeypatch):
     def start(exit_code: int = 0) -> FakeKubernetesAPI:
         api = FakeKubernetesAPI(exit_code=exit_code).__enter__()
         config = api.kubeconfig(tmp_path / "kubeconfig")
-        monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", json.dumps(
-            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(config), "in_cluster": False}}))
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_KUBERNETES_DEFAULT",
+            json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(config), "in_cluster": False}}),
+        )
         started.append(api)
         return api
+
     started: list[FakeKubernetesAPI] = []
     monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path / "home"))
     yield start
@@ -37,12 +40,23 @@ def _run_node(tmp_path, node: int = 1):
 
     spec = TrainingSpec.from_mapping({"chip": "ascend", "nodes": 2, "nproc_per_node": 8, "launcher": "kubernetes"})
     run_dir = tmp_path / "home" / "runs" / "default" / "train_digits" / "r1"
-    plan = build_plan(spec, dag_id="train_digits", run_id="r1", run_dir=str(run_dir),
-                      rdzv_endpoint="trainflow-rdzv:29400", rdzv_backend="c10d")
+    plan = build_plan(
+        spec,
+        dag_id="train_digits",
+        run_id="r1",
+        run_dir=str(run_dir),
+        rdzv_endpoint="trainflow-rdzv:29400",
+        rdzv_backend="c10d",
+    )
     op = ShardTrainOperator(task_id="shard_train", node=node, plan_path=str(run_dir / "plan.json"))
     pushed = {}
-    ti = SimpleNamespace(dag_id="train_digits", task_id="shard_train", map_index=node, try_number=2,
-                         xcom_push=lambda key, value: pushed.__setitem__(key, value))
+    ti = SimpleNamespace(
+        dag_id="train_digits",
+        task_id="shard_train",
+        map_index=node,
+        try_number=2,
+        xcom_push=lambda key, value: pushed.__setitem__(key, value),
+    )
     return op._run_pod({"ti": ti, "run_id": "r1", "dag": object(), "task": op}, plan, node, 2), pushed
 
 
@@ -56,15 +70,18 @@ def test_a_node_runs_as_a_pod_to_its_end(tmp_path, cluster):
     (created,) = [body for verb, _, body in api.calls if verb == "POST"]
     assert created["metadata"]["name"] == out["pod"] == pushed["pod_name"]
     (term,) = created["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"]
+        "nodeSelectorTerms"
+    ]
     assert term["matchExpressions"][0]["values"] == ["gpu-node-7"]  # the cordoned host is avoided
-    assert created["metadata"]["labels"]["trainflow.io/node"] == "1" and created["metadata"]["labels"]["trainflow.io/try"] == "2"
+    assert (
+        created["metadata"]["labels"]["trainflow.io/node"] == "1"
+        and created["metadata"]["labels"]["trainflow.io/try"] == "2"
+    )
     (container,) = created["spec"]["containers"]
     assert container["name"] == "node" and container["resources"]["limits"] == {"huawei.com/Ascend910": "8"}
     assert container["command"][-4:] == ["--node", "1", "--preflight-try", "2"]
     kubernetes_validate.validate(created, desired_version="1.37.0", strict=True)
-    assert any(verb == "GET" and path.endswith("/log") and "container=node" in query
-               for verb, path, query in api.calls)
+    assert any(verb == "GET" and path.endswith("/log") and "container=node" in query for verb, path, query in api.calls)
     assert [verb for verb, *_ in api.calls].count("DELETE") == 1 and not api.pods  # succeeded: deleted
 
 

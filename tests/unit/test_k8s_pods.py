@@ -23,16 +23,26 @@ ROOT = "/mnt/trainflow"
 
 
 def _plan(chip: str, *, nodes=2, nproc=2, spares=0, run_id="manual__2026-12-03T09:00:00+00:00", **extra):
-    spec = TrainingSpec.from_mapping({"chip": chip, "nodes": nodes, "nproc_per_node": nproc,
-                                      "spares": spares, "launcher": "kubernetes", **extra})
-    return build_plan(spec, dag_id="train_digits", run_id=run_id,
-                      run_dir=f"{ROOT}/runs/default/train_digits/{run_id}",
-                      rdzv_endpoint="trainflow-rdzv.trainflow.svc:29400", rdzv_backend="c10d")
+    spec = TrainingSpec.from_mapping(
+        {"chip": chip, "nodes": nodes, "nproc_per_node": nproc, "spares": spares, "launcher": "kubernetes", **extra}
+    )
+    return build_plan(
+        spec,
+        dag_id="train_digits",
+        run_id=run_id,
+        run_dir=f"{ROOT}/runs/default/train_digits/{run_id}",
+        rdzv_endpoint="trainflow-rdzv.trainflow.svc:29400",
+        rdzv_backend="c10d",
+    )
 
 
-CONFIG = PodConfig(workspace_root=ROOT, node_selector={"pool": "training"},
-                   tolerations=({"key": "dedicated", "operator": "Equal", "value": "train",
-                                 "effect": "NoSchedule"},), cpu="8", memory="64Gi")
+CONFIG = PodConfig(
+    workspace_root=ROOT,
+    node_selector={"pool": "training"},
+    tolerations=({"key": "dedicated", "operator": "Equal", "value": "train", "effect": "NoSchedule"},),
+    cpu="8",
+    memory="64Gi",
+)
 
 
 def validate(manifest: dict) -> None:
@@ -67,8 +77,9 @@ def test_every_family_gets_a_valid_pod(chip):
         assert set(c["resources"]["limits"]) == {"cpu", "memory"}
     assert spec["nodeSelector"] == {"pool": "training"}
     (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn",
-                                         "values": ["node-3", "node-7"]}]
+    assert term["matchExpressions"] == [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-3", "node-7"]}
+    ]
     anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["labelSelector"]["matchLabels"] == {"trainflow.io/gang": plan["rendezvous"]["id"]}
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
@@ -81,10 +92,12 @@ def test_the_validator_is_strict_so_these_tests_can_fail():
     bad = copy.deepcopy(pod)
     bad["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 2  # a number, not a quantity string: fine
     validate(bad)
-    for mutate in (lambda p: p["spec"].__setitem__("restartPolicy", 7),
-                   lambda p: p["spec"]["containers"][0].__setitem__("imagePullPolicies", "Always"),
-                   lambda p: p["spec"]["containers"][0]["env"].append({"name": "X", "value": 5}),
-                   lambda p: p["spec"]["volumes"][0].__setitem__("emptyDir", {"medium": "Memory", "size": "1Gi"})):
+    for mutate in (
+        lambda p: p["spec"].__setitem__("restartPolicy", 7),
+        lambda p: p["spec"]["containers"][0].__setitem__("imagePullPolicies", "Always"),
+        lambda p: p["spec"]["containers"][0]["env"].append({"name": "X", "value": 5}),
+        lambda p: p["spec"]["volumes"][0].__setitem__("emptyDir", {"medium": "Memory", "size": "1Gi"}),
+    ):
         bad = copy.deepcopy(pod)
         mutate(bad)
         with pytest.raises(kubernetes_validate.ValidationError):
@@ -116,7 +129,10 @@ def test_spares_get_pods_and_long_run_ids_still_make_valid_labels():
 
 def test_spec_image_and_config_image():
     plan = _plan("cambricon", image="registry.local/ml/worker-mlu:2.1")
-    assert build_pod(plan, 0, config=CONFIG, env={})["spec"]["containers"][0]["image"] == "registry.local/ml/worker-mlu:2.1"
+    assert (
+        build_pod(plan, 0, config=CONFIG, env={})["spec"]["containers"][0]["image"]
+        == "registry.local/ml/worker-mlu:2.1"
+    )
     config = PodConfig(workspace_root=ROOT, image="mirror.local/trainflow:all")
     assert build_pod(plan, 0, config=config, env={})["spec"]["containers"][0]["image"] == "mirror.local/trainflow:all"
 
@@ -127,8 +143,14 @@ def test_a_run_dir_outside_the_workspace_volume_is_refused():
 
 
 def test_pod_config_from_env():
-    config = PodConfig.from_env({"TRAINFLOW_K8S_NAMESPACE": "ml", "TRAINFLOW_K8S_NODE_SELECTOR": '{"a": "b"}',
-                                 "TRAINFLOW_HOME": "/shared", "TRAINFLOW_K8S_TOLERATIONS": "[]"})
+    config = PodConfig.from_env(
+        {
+            "TRAINFLOW_K8S_NAMESPACE": "ml",
+            "TRAINFLOW_K8S_NODE_SELECTOR": '{"a": "b"}',
+            "TRAINFLOW_HOME": "/shared",
+            "TRAINFLOW_K8S_TOLERATIONS": "[]",
+        }
+    )
     assert (config.namespace, config.node_selector, config.workspace_root) == ("ml", {"a": "b"}, "/shared")
     with pytest.raises(ValueError, match="TRAINFLOW_K8S_NODE_SELECTOR='nope' is not JSON"):
         PodConfig.from_env({"TRAINFLOW_K8S_NODE_SELECTOR": "nope"})
@@ -161,13 +183,18 @@ def test_dry_run_cli_prints_yaml_of_every_slot(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text('{"chip": "ascend", "nodes": 2, "spares": 1, "nproc_per_node": 8, "launcher": "kubernetes"}')
     env = {"PATH": "/usr/bin:/bin", "TRAINFLOW_HOME": str(tmp_path / "home"), "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "trainflow.cli", "pods", str(spec)], capture_output=True,
-                         text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "trainflow.cli", "pods", str(spec)], capture_output=True, text=True, env=env, check=True
+    ).stdout
     pods = list(yaml.safe_load_all(out))
     assert [p["metadata"]["labels"]["trainflow.io/node"] for p in pods] == ["0", "1", "2"]
     for pod in pods:
         validate(pod)
         assert pod["spec"]["containers"][0]["resources"]["limits"] == {"huawei.com/Ascend910": "8"}
-    bad = subprocess.run([sys.executable, "-m", "trainflow.cli", "pods", str(spec), "--node", "5"],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainflow.cli", "pods", str(spec), "--node", "5"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 2 and "--node" in bad.stderr and "slots 0..2" in bad.stderr

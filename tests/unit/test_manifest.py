@@ -94,8 +94,7 @@ def test_commit_takes_the_writers_digests_and_hashes_the_rest(tmp_path):
     (part / "__0_0.distcp").write_bytes(b"a" * 100)
     (part / ".metadata").write_bytes(b"meta")
     # The digest is used as given (commit does not read the file back) ...
-    ref = manifest.commit(tmp_path, 7, world_size=1, training_hash="h",
-                          digests={"__0_0.distcp": (100, "0" * 64)})
+    ref = manifest.commit(tmp_path, 7, world_size=1, training_hash="h", digests={"__0_0.distcp": (100, "0" * 64)})
     files = manifest.read_manifest(ref.path)["files"]
     assert files["__0_0.distcp"] == {"size": 100, "blake3": "0" * 64}
     assert files[".metadata"]["blake3"] == manifest.file_digest(tmp_path / "step-00000007" / ".metadata")
@@ -103,10 +102,14 @@ def test_commit_takes_the_writers_digests_and_hashes_the_rest(tmp_path):
     assert manifest.verify(ref.path) is None
 
 
-@pytest.mark.parametrize("digests, message", [
-    ({"__0_0.distcp": (99, "0" * 64)}, "its writer wrote 99"),
-    ({"__1_0.distcp": (1, "0" * 64)}, "missing from"),
-], ids=["size-differs", "file-missing"])
+@pytest.mark.parametrize(
+    "digests, message",
+    [
+        ({"__0_0.distcp": (99, "0" * 64)}, "its writer wrote 99"),
+        ({"__1_0.distcp": (1, "0" * 64)}, "missing from"),
+    ],
+    ids=["size-differs", "file-missing"],
+)
 def test_commit_refuses_files_that_differ_from_what_was_written(tmp_path, digests, message):
     part = manifest.partial_dir(tmp_path, 7)
     part.mkdir()
@@ -182,11 +185,15 @@ def test_the_download_sink_hashes_the_written_prefix_whatever_order_the_ranges_a
     from trainflow.checkpoint.s3 import _HashingSink
 
     data = random.Random(3).randbytes(10_000)
-    pieces = [(o, data[o:o + 1000]) for o in range(0, len(data), 1000)]
+    pieces = [(o, data[o : o + 1000]) for o in range(0, len(data), 1000)]
     want = manifest.hasher()
     want.update(data)
-    cases = (("in-order", pieces, [], len(data)), ("shuffled", random.Random(1).sample(pieces, 10), [], len(data)),
-             ("retried", pieces[:6], pieces[2:], len(data)), ("longer", pieces, [], len(data) - 1000))
+    cases = (
+        ("in-order", pieces, [], len(data)),
+        ("shuffled", random.Random(1).sample(pieces, 10), [], len(data)),
+        ("retried", pieces[:6], pieces[2:], len(data)),
+        ("longer", pieces, [], len(data) - 1000),
+    )
     for name, order, again, expected in cases:
         sink = _HashingSink(tmp_path / name, manifest.DIGEST, expected)
         for offset, piece in order + again:
@@ -212,8 +219,10 @@ def test_download_sinks_sharing_one_hashing_thread_each_hash_their_own_file_in_o
     rng = random.Random(5)
     datas = {name: rng.randbytes(20_000 + 13 * i) for i, name in enumerate(("a", "b", "c"))}
     with ThreadPoolExecutor(max_workers=1) as shared:
-        sinks = {name: _HashingSink(tmp_path / name, manifest.DIGEST, len(data), shared) for name, data in datas.items()}
-        writes = [(name, o, data[o:o + 1000]) for name, data in datas.items() for o in range(0, len(data), 1000)]
+        sinks = {
+            name: _HashingSink(tmp_path / name, manifest.DIGEST, len(data), shared) for name, data in datas.items()
+        }
+        writes = [(name, o, data[o : o + 1000]) for name, data in datas.items() for o in range(0, len(data), 1000)]
         for name, offset, piece in rng.sample(writes, len(writes)):
             sinks[name].seek(offset)
             sinks[name].write(piece)

@@ -28,12 +28,12 @@ def test_membership_changes_are_named(tmp_path):
 def test_a_grow_restart_is_not_a_crash_restart():
     events = [
         {"event": "gang_start", "step": 0},
-        {"event": "gang_start", "step": 100},      # resumed after a crash: counts
+        {"event": "gang_start", "step": 100},  # resumed after a crash: counts
         {"event": "grow_window", "step": 200},
-        {"event": "gang_start", "step": 200},      # the planned grow restart: does not
+        {"event": "gang_start", "step": 200},  # the planned grow restart: does not
     ]
     assert crash_restarts(events, 100) == 1
     assert crash_restarts(events, 200) == 0
     events += [{"event": "gang_start", "step": 200}, {"event": "gang_start", "step": 200}]
-    assert crash_restarts(events, 200) == 2     # crashes after the grow count again
+    assert crash_restarts(events, 200) == 2  # crashes after the grow count again
     assert crash_restarts(events, 300) == 0

@@ -215,8 +215,15 @@ def test_the_executor_rewrites_a_node_try_queue_from_the_placement(state_target,
     executor._allocator = alloc
 
     def ti(task_id, map_index, try_number=1, queue="nvidia-gpu"):
-        return SimpleNamespace(task_id=task_id, dag_id="d", run_id="run", map_index=map_index,
-                               try_number=try_number, queue=queue, key=(task_id, map_index))
+        return SimpleNamespace(
+            task_id=task_id,
+            dag_id="d",
+            run_id="run",
+            map_index=map_index,
+            try_number=try_number,
+            queue=queue,
+            key=(task_id, map_index),
+        )
 
     node, control = ti("shard_train", 1), ti("evaluate", -1, queue="default")
     executor._route(node)

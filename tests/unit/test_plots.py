@@ -40,10 +40,14 @@ def test_progress_plot_draws_the_loss_curve_and_the_goodput(tmp_path):
 
 
 def test_throughput_is_samples_per_second_between_curve_points():
-    curve = [{"time": 10.0, "step": 0}, {"time": 12.0, "step": 10},  # 10 steps × 64 in 2 s
-             {"time": 13.0, "step": 20, "global_batch": 32},  # a smaller gang's batch wins
-             {"time": 20.0, "step": 15},  # a redo after a fault: no rate
-             {"time": 21.0, "step": 25}, {"time": 21.0, "step": 26}]  # no time passed: no rate
+    curve = [
+        {"time": 10.0, "step": 0},
+        {"time": 12.0, "step": 10},  # 10 steps × 64 in 2 s
+        {"time": 13.0, "step": 20, "global_batch": 32},  # a smaller gang's batch wins
+        {"time": 20.0, "step": 15},  # a redo after a fault: no rate
+        {"time": 21.0, "step": 25},
+        {"time": 21.0, "step": 26},
+    ]  # no time passed: no rate
     assert throughput_series(curve, global_batch=64) == [(12.0, 320.0), (13.0, 320.0), (21.0, 640.0)]
     assert throughput_series(curve) == [(13.0, 320.0)]  # without a batch only the point that has one
     assert throughput_series(curve[:1], global_batch=64) == []

@@ -15,8 +15,7 @@ def test_an_order_reaches_the_gang_then_the_run_requeues_and_resumes(tmp_path, s
     alloc.set_pool("cpu", 2)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert isinstance(alloc.request("t/low/1", tenant="t", pool="cpu", nodes=2, ttl=60, preemptible=True, now=0),
-                      Lease)
+    assert isinstance(alloc.request("t/low/1", tenant="t", pool="cpu", nodes=2, ttl=60, preemptible=True, now=0), Lease)
     watches = [PreemptionWatch(run_dir, "t/low/1", n, allocator=alloc, grace=30, check_every=1) for n in (0, 1)]
     assert watches[0].poll(now=1) is None and not (run_dir / "control" / PREEMPT_REQUEST).exists()
     assert isinstance(alloc.request("t/hi/1", tenant="t", pool="cpu", nodes=1, ttl=60, priority=3, now=2), Waiting)
@@ -34,8 +33,7 @@ def test_an_order_reaches_the_gang_then_the_run_requeues_and_resumes(tmp_path, s
     assert isinstance(alloc.request("t/hi/1", tenant="t", pool="cpu", nodes=1, ttl=60, priority=3, now=6), Lease)
     assert alloc.queue("cpu") == ["t/low/1"]
     alloc.release("t/hi/1")
-    assert isinstance(alloc.request("t/low/1", tenant="t", pool="cpu", nodes=2, ttl=60, preemptible=True, now=7),
-                      Lease)
+    assert isinstance(alloc.request("t/low/1", tenant="t", pool="cpu", nodes=2, ttl=60, preemptible=True, now=7), Lease)
     for w in watches:
         w.resumed(waited_s=4)
     assert preempted(run_dir) is None

@@ -18,22 +18,25 @@ from trainflow.spec import TrainingSpec, param_schema
 GOOD = ["python", "-m", "trainflow.worker.train", "--out", "{checkpoint_dir}", "--resume", "{resume_from}"]
 
 
-@pytest.mark.parametrize("kw,field,fix", [
-    (dict(program="python train.py"), "program", "never a shell string"),
-    (dict(program=["python", "-m", "a.b", "{nope}"]), "program[3]", "unknown placeholder {nope}"),
-    (dict(program=["python", "-m", "a.b", "{checkpoint_dir!r}"]), "program[3]", "plain names"),
-    (dict(program=["python", "-m", "a.b", "{"]), "program[3]", "literal brace"),
-    (dict(program=["python", "-m", "a.b", "x\x00y"]), "program[3]", "NUL"),
-    (dict(program=["python", "-m", "a.b", 3]), "program[3]", "every argument is a string"),
-    (dict(program=["python", "-m", "a.b", *["x"] * 300]), "program", "at most 256"),
-    (dict(program=["python"]), "program", "'-m package.module' or a script"),
-    (dict(program=["python", "-m", "not a module"]), "program", "module name"),
-    (dict(program=GOOD, program_env={"RANK": "3"}), "program_env.RANK", "set by trainflow's launch"),
-    (dict(program=GOOD, program_env={"TRAINFLOW_X": "1"}), "program_env.TRAINFLOW_X", "remove it"),
-    (dict(program=GOOD, program_env={"1BAD": "1"}), "program_env", "letters, digits"),
-    (dict(program=GOOD, program_env={"OK": 3}), "program_env.OK", "a string"),
-    (dict(program=GOOD, working_dir="relative/dir"), "working_dir", "absolute path"),
-])
+@pytest.mark.parametrize(
+    "kw,field,fix",
+    [
+        (dict(program="python train.py"), "program", "never a shell string"),
+        (dict(program=["python", "-m", "a.b", "{nope}"]), "program[3]", "unknown placeholder {nope}"),
+        (dict(program=["python", "-m", "a.b", "{checkpoint_dir!r}"]), "program[3]", "plain names"),
+        (dict(program=["python", "-m", "a.b", "{"]), "program[3]", "literal brace"),
+        (dict(program=["python", "-m", "a.b", "x\x00y"]), "program[3]", "NUL"),
+        (dict(program=["python", "-m", "a.b", 3]), "program[3]", "every argument is a string"),
+        (dict(program=["python", "-m", "a.b", *["x"] * 300]), "program", "at most 256"),
+        (dict(program=["python"]), "program", "'-m package.module' or a script"),
+        (dict(program=["python", "-m", "not a module"]), "program", "module name"),
+        (dict(program=GOOD, program_env={"RANK": "3"}), "program_env.RANK", "set by trainflow's launch"),
+        (dict(program=GOOD, program_env={"TRAINFLOW_X": "1"}), "program_env.TRAINFLOW_X", "remove it"),
+        (dict(program=GOOD, program_env={"1BAD": "1"}), "program_env", "letters, digits"),
+        (dict(program=GOOD, program_env={"OK": 3}), "program_env.OK", "a string"),
+        (dict(program=GOOD, working_dir="relative/dir"), "working_dir", "absolute path"),
+    ],
+)
 def test_bad_programs_are_refused_naming_field_value_and_fix(kw, field, fix):
     with pytest.raises(SpecError) as info:
         TrainingSpec(**kw)
@@ -53,10 +56,21 @@ def test_a_program_round_trips_and_changes_the_training_hash_not_the_builtin_one
 
 
 def test_placeholders_resolve_and_python_is_the_workers_interpreter():
-    argv = resolve(GOOD + ["{{literal}}", "run={run_id}/{attempt}"],
-                   {"checkpoint_dir": "/c", "resume_from": "", "run_id": "r1", "attempt": "2"})
-    assert argv == [sys.executable, "-m", "trainflow.worker.train", "--out", "/c", "--resume", "",
-                    "{literal}", "run=r1/2"]
+    argv = resolve(
+        GOOD + ["{{literal}}", "run={run_id}/{attempt}"],
+        {"checkpoint_dir": "/c", "resume_from": "", "run_id": "r1", "attempt": "2"},
+    )
+    assert argv == [
+        sys.executable,
+        "-m",
+        "trainflow.worker.train",
+        "--out",
+        "/c",
+        "--resume",
+        "",
+        "{literal}",
+        "run=r1/2",
+    ]
 
 
 def test_programs_run_only_from_allowed_modules_and_roots(tmp_path):
@@ -88,11 +102,13 @@ def test_programs_run_only_from_allowed_modules_and_roots(tmp_path):
 
 
 def test_the_sdk_imports_without_torch_or_airflow_and_does_nothing_outside_a_run():
-    code = ("import sys; from trainflow import sdk; "
-            "sdk.report(1, loss=0.5); assert not sdk.should_stop() and sdk.resume_from() is None; "
-            "assert sdk.resume_step() == 0 and not sdk.active(); "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'airflow', 'numpy')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; from trainflow import sdk; "
+        "sdk.report(1, loss=0.5); assert not sdk.should_stop() and sdk.resume_from() is None; "
+        "assert sdk.resume_step() == 0 and not sdk.active(); "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'airflow', 'numpy')]; "
+        "assert not bad, bad"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINFLOW_")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
@@ -125,6 +141,9 @@ def test_the_docs_list_the_launch_contract_as_the_code_defines_it():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "programs.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| `") and line.count("|") == 3]
-    table = {line.split("`")[1]: line.split("|")[2].strip() for line in rows if line.split("`")[1] in CONTRACT
-             or line.split("`")[1].isupper()}
+    table = {
+        line.split("`")[1]: line.split("|")[2].strip()
+        for line in rows
+        if line.split("`")[1] in CONTRACT or line.split("`")[1].isupper()
+    }
     assert table == CONTRACT

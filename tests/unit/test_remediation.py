@@ -11,13 +11,17 @@ from trainflow.timeline import read
 from trainflow.worker.train import crash_restarts
 
 
-@pytest.mark.parametrize("states, me, ended", [
-    ({0: "running", 1: "running"}, 1, None),
-    ({0: "up_for_retry", 1: "running"}, 1, None),  # a retry is coming: the gang waits for it
-    ({0: "failed", 1: "running"}, 1, (0, "failed")),  # marked failed, or its tries spent
-    ({0: "running", 1: "removed", 2: "upstream_failed"}, 0, (1, "removed")),
-    ({0: "running", 1: "failed"}, 1, None),  # a node does not end the run for itself
-], ids=["running", "retrying", "failed", "removed", "itself"])
+@pytest.mark.parametrize(
+    "states, me, ended",
+    [
+        ({0: "running", 1: "running"}, 1, None),
+        ({0: "up_for_retry", 1: "running"}, 1, None),  # a retry is coming: the gang waits for it
+        ({0: "failed", 1: "running"}, 1, (0, "failed")),  # marked failed, or its tries spent
+        ({0: "running", 1: "removed", 2: "upstream_failed"}, 0, (1, "removed")),
+        ({0: "running", 1: "failed"}, 1, None),  # a node does not end the run for itself
+    ],
+    ids=["running", "retrying", "failed", "removed", "itself"],
+)
 def test_a_member_that_ended_for_good_is_found(states, me, ended):
     assert remediation.ended_member(states, me=me) == ended
 
@@ -49,5 +53,7 @@ def test_a_cleared_run_is_provisioned_again_with_its_abort_set_aside(tmp_path):
 def test_crash_loop_counts_gang_starts_since_the_last_provision():
     starts = [{"event": "gang_start", "step": 100}] * 3
     assert crash_restarts(starts, 100) == 3
-    assert crash_restarts([*starts, {"event": "provisioned_again", "epoch": 2},
-                           {"event": "gang_start", "step": 100}], 100) == 1
+    assert (
+        crash_restarts([*starts, {"event": "provisioned_again", "epoch": 2}, {"event": "gang_start", "step": 100}], 100)
+        == 1
+    )

@@ -70,8 +70,11 @@ def test_a_client_error_is_not_retried_and_a_plain_post_never(server, monkeypatc
 def test_a_trigger_with_a_run_id_is_retried_and_a_409_of_its_own_run_is_success(server, monkeypatch):
     client, script, seen = server
     monkeypatch.setattr("trainflow.rest.time.sleep", lambda s: None)
-    script += [(500, {"detail": "Database error"}), (409, {"detail": "exists"}),
-               (200, {"dag_run_id": "r", "conf": {"steps": 1}})]
+    script += [
+        (500, {"detail": "Database error"}),
+        (409, {"detail": "exists"}),
+        (200, {"dag_run_id": "r", "conf": {"steps": 1}}),
+    ]
     assert client.trigger("d", {"steps": 1}, run_id="r")["dag_run_id"] == "r"
     assert [s.split()[0] for s in seen] == ["POST", "POST", "GET"]
     script += [(409, {"detail": "exists"}), (200, {"dag_run_id": "r", "conf": {"steps": 2}})]

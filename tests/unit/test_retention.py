@@ -146,8 +146,16 @@ def test_stale_rows_go_live_ones_stay(state_target):
     hosts.record_failure("h1", reason="new", run_key="t/d/y", node=0, policy=policy, now=NOW - 60)
     assert ret.state_rows(state_target)["host_failures"] == 2
     out = ret.prune_state(state_target, ret.Retention(), now=NOW)
-    assert out == {"leases": 2, "offline": 1, "waiting": 0, "estimates": 1, "preemptible": 0,
-                   "preemptions": 0, "host_leases": 1, "host_failures": 1}
+    assert out == {
+        "leases": 2,
+        "offline": 1,
+        "waiting": 0,
+        "estimates": 1,
+        "preemptible": 0,
+        "preemptions": 0,
+        "host_leases": 1,
+        "host_failures": 1,
+    }
     rows = ret.state_rows(state_target)
     assert (rows["leases"], rows["offline"], rows["host_failures"], rows["pools"]) == (2, 0, 1, 1)
     assert (rows["estimates"], rows["preemptible"], rows["waiting"]) == (2, 1, 1)
@@ -156,9 +164,18 @@ def test_stale_rows_go_live_ones_stay(state_target):
 def test_db_clean_argv_cuts_at_the_bound():
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, airflow="/venv/bin/airflow")
     cutoff = datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
-    assert argv == ["/venv/bin/airflow", "db", "clean", "--clean-before-timestamp", cutoff,
-                    "--tables", ",".join(ret.AIRFLOW_TABLES), "--skip-archive", "--yes",
-                    "--error-on-cleanup-failure"]
+    assert argv == [
+        "/venv/bin/airflow",
+        "db",
+        "clean",
+        "--clean-before-timestamp",
+        cutoff,
+        "--tables",
+        ",".join(ret.AIRFLOW_TABLES),
+        "--skip-archive",
+        "--yes",
+        "--error-on-cleanup-failure",
+    ]
     assert "dag" not in ret.AIRFLOW_TABLES and "dag_run" in ret.AIRFLOW_TABLES
     assert ret.db_clean_argv(ret.Retention(), now=NOW, dry_run=True)[-1] == "--dry-run"
 
@@ -168,8 +185,21 @@ def test_cli_sweeps_and_reports(tmp_path, monkeypatch, capsys):
     root = tmp_path / "runs"
     now = time.time()
     old = _run(root, "acme", "d", "r1", released_days=(NOW - now) / DAY + 3)  # released 3 days ago
-    assert main(["retention", "--workspaces", str(root), "--logs", str(tmp_path / "nologs"),
-                 "--workspace-days", "5", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "retention",
+                "--workspaces",
+                str(root),
+                "--logs",
+                str(tmp_path / "nologs"),
+                "--workspace-days",
+                "5",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["dry_run"] and out["workspaces"]["removed"] == 0 and old.exists()
     assert main(["retention", "--workspaces", str(root), "--workspace-days", "2"]) == 0
@@ -187,16 +217,17 @@ def test_runs_in_flight_bound_the_metadata_cut(tmp_path):
 
     db = tmp_path / "airflow.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, "
-                "end_date TIMESTAMP)")
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, end_date TIMESTAMP)")
     url = f"sqlite:///{db}"
     assert ret.running_since(url) is None
 
     def at(days):
         return datetime.fromtimestamp(NOW - days * DAY, tz=timezone.utc).replace(tzinfo=None).isoformat(sep=" ")
 
-    con.executemany("INSERT INTO dag_run (state, start_date, end_date) VALUES (?, ?, ?)", [
-        ("running", at(40), None), ("success", at(90), at(89)), ("queued", None, None)])
+    con.executemany(
+        "INSERT INTO dag_run (state, start_date, end_date) VALUES (?, ?, ?)",
+        [("running", at(40), None), ("success", at(90), at(89)), ("queued", None, None)],
+    )
     con.commit()
     assert ret.running_since(url) == NOW - 40 * DAY  # the finished older run does not count
     assert ret.running_since(url, ended_after=NOW - 30 * DAY) == NOW - 40 * DAY
@@ -209,8 +240,9 @@ def test_runs_in_flight_bound_the_metadata_cut(tmp_path):
     cut = datetime.fromisoformat(argv[argv.index("--clean-before-timestamp") + 1]).timestamp()
     assert cut == NOW - 40 * DAY - 1  # the 40-day run keeps its rows
     argv = ret.db_clean_argv(ret.Retention(airflow_days=30), now=NOW, keep_after=NOW)
-    assert argv[argv.index("--clean-before-timestamp") + 1] == \
-        datetime.fromtimestamp(NOW - 30 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
+    assert argv[argv.index("--clean-before-timestamp") + 1] == datetime.fromtimestamp(
+        NOW - 30 * DAY, tz=timezone.utc
+    ).isoformat(timespec="seconds")
 
 
 def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
@@ -221,11 +253,12 @@ def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
 
     db = tmp_path / "airflow.db"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, "
-                "end_date TIMESTAMP)")
+    con.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, state TEXT, start_date TIMESTAMP, end_date TIMESTAMP)")
     started = datetime.fromtimestamp(NOW - 40 * DAY, tz=timezone.utc)
-    con.execute("INSERT INTO dag_run (state, start_date) VALUES ('running', ?)",
-                (started.replace(tzinfo=None).isoformat(sep=" "),))
+    con.execute(
+        "INSERT INTO dag_run (state, start_date) VALUES ('running', ?)",
+        (started.replace(tzinfo=None).isoformat(sep=" "),),
+    )
     con.commit()
     fake = tmp_path / "airflow"
     fake.write_text(f'#!/bin/sh\necho "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN $*" > {tmp_path}/called\nexit 3\n')
@@ -236,8 +269,9 @@ def test_clean_airflow_db_hands_the_url_and_the_bound_to_airflow(tmp_path):
     called = (tmp_path / "called").read_text()
     assert called.startswith(url + " db clean --clean-before-timestamp ")
     assert done["before"] == datetime.fromtimestamp(NOW - 40 * DAY - 1, tz=timezone.utc).isoformat(timespec="seconds")
-    done = ret.clean_airflow_db(ret.Retention(airflow_days=30), url, airflow=str(fake), now=NOW,
-                                keep_after=NOW - 50 * DAY)
+    done = ret.clean_airflow_db(
+        ret.Retention(airflow_days=30), url, airflow=str(fake), now=NOW, keep_after=NOW - 50 * DAY
+    )
     assert done["before"] == datetime.fromtimestamp(NOW - 50 * DAY, tz=timezone.utc).isoformat(timespec="seconds")
 
 

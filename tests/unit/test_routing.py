@@ -11,15 +11,18 @@ from trainflow.routing import node_queue
 HOOK = Path(__file__).resolve().parents[2] / "plugins" / "airflow_local_settings.py"
 
 
-@pytest.mark.parametrize("task, conf, queue", [
-    ("shard_train", {"chip": "ascend"}, "ascend-910b"),
-    ("shard_train", {"chip": "nvidia"}, "nvidia-gpu"),
-    ("shard_train", {"chip": "cpu"}, "cpu"),
-    ("shard_train", {}, None),
-    ("shard_train", None, None),
-    ("shard_train", {"chip": "tpu"}, None),
-    ("provision", {"chip": "ascend"}, None),
-])
+@pytest.mark.parametrize(
+    "task, conf, queue",
+    [
+        ("shard_train", {"chip": "ascend"}, "ascend-910b"),
+        ("shard_train", {"chip": "nvidia"}, "nvidia-gpu"),
+        ("shard_train", {"chip": "cpu"}, "cpu"),
+        ("shard_train", {}, None),
+        ("shard_train", None, None),
+        ("shard_train", {"chip": "tpu"}, None),
+        ("provision", {"chip": "ascend"}, None),
+    ],
+)
 def test_node_queue(task, conf, queue):
     assert node_queue(task, conf) == queue
 

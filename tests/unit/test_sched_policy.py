@@ -13,8 +13,7 @@ POLICIES = ["fifo", "backfill", "priority", "fairshare"]
 
 
 def req(id, chips, *, nodes=1, t=0.0, est=None, prio=0, tenant="a"):
-    return Request(id=id, chips_per_node=chips, nodes=nodes, submitted=t, estimate=est, priority=prio,
-                   tenant=tenant)
+    return Request(id=id, chips_per_node=chips, nodes=nodes, submitted=t, estimate=est, priority=prio, tenant=tenant)
 
 
 def run(request, *placement, started=0.0):
@@ -33,8 +32,7 @@ def test_a_gang_is_never_split_nor_partly_started(policy):
     d = decide(policy, pool=pool, running=busy, waiting=[gang], now=5, quotas={"a": 24})
     assert d.start == () and d.preempt == ()
     assert "needs 3 nodes × 8 chips, 2 such nodes free" in d.waiting[0].reason
-    d = decide(policy, pool=pool, running=busy, waiting=[req("pair", 8, nodes=2, est=10)], now=5,
-               quotas={"a": 24})
+    d = decide(policy, pool=pool, running=busy, waiting=[req("pair", 8, nodes=2, est=10)], now=5, quotas={"a": 24})
     assert started(d) == {"pair": (1, 2)}
 
 
@@ -63,8 +61,7 @@ def test_the_reason_names_the_shape_what_is_free_and_the_place_in_line():
 def test_backfill_starts_a_short_job_without_delaying_the_head():
     pool = Pool.uniform(2, chips=8)
     busy = [run(req("a", 8, est=100), 0)]
-    waiting = [req("big", 8, nodes=2, t=1, est=50), req("long", 8, t=2, est=200),
-               req("short", 8, t=3, est=80)]
+    waiting = [req("big", 8, nodes=2, t=1, est=50), req("long", 8, t=2, est=200), req("short", 8, t=3, est=80)]
     d = decide("backfill", pool=pool, running=busy, waiting=waiting, now=10)
     assert started(d) == {"short": (1,)}  # ends at 90, before big's reservation at 100
     assert d.reservation == 100
@@ -73,9 +70,11 @@ def test_backfill_starts_a_short_job_without_delaying_the_head():
     assert reasons["long"] == "needs 1 node × 8 chips, 0 such nodes free; behind 1 earlier request"
     d = decide("backfill", pool=pool, running=busy, waiting=waiting[:2], now=10)
     assert d.start == ()
-    assert d.waiting[1].reason == ("needs 1 node × 8 chips, 1 such node free; starting now would delay 'big' "
-                                   "(reserved at t=100): it would run until after that and needs chips "
-                                   "reserved for it")
+    assert d.waiting[1].reason == (
+        "needs 1 node × 8 chips, 1 such node free; starting now would delay 'big' "
+        "(reserved at t=100): it would run until after that and needs chips "
+        "reserved for it"
+    )
     # The reservation holds: when a ends at 100 (short has ended at 90), big goes first.
     d = decide("backfill", pool=pool, running=[], waiting=waiting[:2], now=100)
     assert list(started(d)) == ["big"]
@@ -88,8 +87,12 @@ def test_backfill_fits_long_jobs_only_in_chips_the_reservation_leaves_spare():
     busy = [run(req("a", 4, est=100), 0), run(req("b", 8, est=1000), 1), run(req("c", 6, est=1000), 2)]
     # head needs a whole node: node 0 at t=100 (a ends). Node 0's 4 free chips are its;
     # node 2's 2 free chips are spare.
-    waiting = [req("head", 8, t=1, est=50), req("long4", 4, t=2, est=500), req("long2", 2, t=3, est=500),
-               req("guess", 1, t=4)]
+    waiting = [
+        req("head", 8, t=1, est=50),
+        req("long4", 4, t=2, est=500),
+        req("long2", 2, t=3, est=500),
+        req("guess", 1, t=4),
+    ]
     d = decide("backfill", pool=pool, running=busy, waiting=waiting, now=10)
     assert started(d) == {"long2": (2,)}
     assert d.reservation == 100
@@ -101,8 +104,11 @@ def test_backfill_fits_long_jobs_only_in_chips_the_reservation_leaves_spare():
 def test_backfill_window_bounds_the_scan():
     pool = Pool.uniform(2, chips=8)
     busy = [run(req("a", 8, est=100), 0)]
-    waiting = [req("big", 8, nodes=2, t=1, est=50)] + [req(f"late{i}", 8, t=2 + i, est=500) for i in range(3)] \
+    waiting = (
+        [req("big", 8, nodes=2, t=1, est=50)]
+        + [req(f"late{i}", 8, t=2 + i, est=500) for i in range(3)]
         + [req("short", 1, t=9, est=5)]
+    )
     assert decide("backfill", pool=pool, running=busy, waiting=waiting, now=10, backfill_window=3).start == ()
     d = decide("backfill", pool=pool, running=busy, waiting=waiting, now=10, backfill_window=4)
     assert started(d) == {"short": (1,)}
@@ -119,15 +125,21 @@ def test_backfill_does_not_jump_a_head_that_waits_on_runs_without_estimates():
 
 def _prio_pool():
     pool = Pool.uniform(2, chips=8)
-    busy = [run(req("A", 8, est=100), 0, started=0), run(req("B", 4, est=100), 1, started=5),
-            run(req("C", 4, est=100), 1, started=10)]
+    busy = [
+        run(req("A", 8, est=100), 0, started=0),
+        run(req("B", 4, est=100), 1, started=5),
+        run(req("C", 4, est=100), 1, started=10),
+    ]
     return pool, busy
 
 
-@pytest.mark.parametrize("chips,victims,node", [
-    pytest.param(4, ["C"], (1,), id="one-victim-the-most-recent"),
-    pytest.param(8, ["A"], (0,), id="fewest-victims"),
-])
+@pytest.mark.parametrize(
+    "chips,victims,node",
+    [
+        pytest.param(4, ["C"], (1,), id="one-victim-the-most-recent"),
+        pytest.param(8, ["A"], (0,), id="fewest-victims"),
+    ],
+)
 def test_priority_preempts_the_fewest_most_recent_lower_priority_runs(chips, victims, node):
     pool, busy = _prio_pool()
     urgent = req("urgent", chips, t=20, prio=5, est=10)
@@ -149,8 +161,9 @@ def test_priority_order_and_no_preemption_among_equals():
     assert list(started(d)) == ["high"]
     assert [w.request.id for w in d.waiting] == ["high2", "low"]
     # A higher-priority run is never a victim.
-    d = decide("priority", pool=free_pool, running=[run(req("vip", 8, prio=9), 0)],
-               waiting=[req("high", 8, prio=3)], now=5)
+    d = decide(
+        "priority", pool=free_pool, running=[run(req("vip", 8, prio=9), 0)], waiting=[req("high", 8, prio=3)], now=5
+    )
     assert d.preempt == ()
 
 
@@ -164,14 +177,21 @@ def test_fairshare_lends_idle_quota():
 def test_fairshare_reclaims_borrowed_chips_for_a_tenant_under_quota():
     pool = Pool.uniform(2, chips=8)
     busy = [run(req("a1", 8, tenant="a"), 0, started=0), run(req("a2", 8, tenant="a"), 1, started=5)]
-    d = decide("fairshare", pool=pool, running=busy, waiting=[req("b1", 8, t=6, tenant="b")], now=6,
-               quotas={"a": 8, "b": 8})
+    d = decide(
+        "fairshare", pool=pool, running=busy, waiting=[req("b1", 8, t=6, tenant="b")], now=6, quotas={"a": 8, "b": 8}
+    )
     assert [p.running.request.id for p in d.preempt] == ["a2"]  # the borrowed, most recent one
     assert started(d) == {"b1": (1,)} and d.start[0].after == ("a2",)
     assert "tenant 'a' holds 16, over its quota of 8" in d.preempt[0].reason
     # a at its quota is not reclaimed from.
-    d = decide("fairshare", pool=pool, running=busy[:1], waiting=[req("b1", 8, t=6, tenant="b")], now=6,
-               quotas={"a": 8, "b": 8})
+    d = decide(
+        "fairshare",
+        pool=pool,
+        running=busy[:1],
+        waiting=[req("b1", 8, t=6, tenant="b")],
+        now=6,
+        quotas={"a": 8, "b": 8},
+    )
     assert d.preempt == () and started(d) == {"b1": (1,)}
 
 
@@ -222,38 +242,66 @@ def test_packing_keeps_a_gang_in_one_rack_or_the_fewest():
     six = Pool.uniform(6, chips=8, racks=3)
     assert place(FreeMap([8] * 6, 8), 4, 8, six.racks) == (0, 1, 2, 3)
     assert place(FreeMap([8, 0, 8, 8, 8, 0], 8), 3, 8, six.racks) == (0, 2, 3)
-    odd = Pool(nodes=(Node(chips=8, labels={"rack": "r1"}), Node(chips=8, labels={"rack": "r2"}),
-                      Node(chips=8, labels={"rack": "r2"})))
+    odd = Pool(
+        nodes=(
+            Node(chips=8, labels={"rack": "r1"}),
+            Node(chips=8, labels={"rack": "r2"}),
+            Node(chips=8, labels={"rack": "r2"}),
+        )
+    )
     assert place(FreeMap([8, 8, 8], 8), 2, 8, odd.racks) == (1, 2)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_requests_that_can_never_fit_are_refused_with_the_field_and_the_fix(policy):
     pool = Pool.uniform(2, chips=8)
-    with pytest.raises(ValueError, match=r"invalid nodes=3: request 'huge': the pool has 2 nodes with 8 "
-                                         r"chips or more \(16 chips in all\); ask for at most 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"invalid nodes=3: request 'huge': the pool has 2 nodes with 8 "
+        r"chips or more \(16 chips in all\); ask for at most 2",
+    ):
         decide(policy, pool=pool, running=[], waiting=[req("huge", 8, nodes=3)], now=0)
     with pytest.raises(SpecError, match=r"invalid chips_per_node=16: .* ask for at most 8 per node"):
         decide(policy, pool=pool, running=[], waiting=[req("wide", 16)], now=0)
 
 
-@pytest.mark.parametrize("call,message", [
-    pytest.param(lambda: decide("lottery", pool=Pool.uniform(1), running=[], waiting=[], now=0),
-                 "invalid policy='lottery': choose one of fifo, backfill, priority, fairshare", id="policy"),
-    pytest.param(lambda: req("x", 0), "invalid chips_per_node=0", id="chips"),
-    pytest.param(lambda: req("x", 1, nodes=0), "invalid nodes=0", id="nodes"),
-    pytest.param(lambda: req("x", 1, est=0), "invalid estimate=0: request 'x': seconds > 0", id="estimate"),
-    pytest.param(lambda: Pool.uniform(0), "invalid capacity=0", id="capacity"),
-    pytest.param(lambda: decide("fifo", pool=Pool.uniform(2), running=[run(req("x", 8, nodes=2), 0, 0)],
-                                waiting=[], now=0), "invalid placement=(0, 0)", id="placement"),
-    pytest.param(lambda: decide("fifo", pool=Pool.uniform(1), running=[run(req("x", 4), 0), run(req("y", 5), 0)],
-                                waiting=[], now=0), "needs 5 chips on each node; free there: [4]", id="overfull"),
-    pytest.param(lambda: decide("fairshare", pool=Pool.uniform(1), running=[], waiting=[], now=0,
-                                quotas={"a": -1}), "invalid quotas={'a': -1}", id="quotas"),
-    pytest.param(lambda: decide("fifo", pool=Pool.uniform(1), running=[run(req("x", 1), 0)],
-                                waiting=[req("x", 1)], now=0), "invalid waiting=['x']", id="both"),
-    pytest.param(lambda: Queue(Pool.uniform(1), [req("x", 1), req("x", 2)]), "invalid id='x'", id="dup"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        pytest.param(
+            lambda: decide("lottery", pool=Pool.uniform(1), running=[], waiting=[], now=0),
+            "invalid policy='lottery': choose one of fifo, backfill, priority, fairshare",
+            id="policy",
+        ),
+        pytest.param(lambda: req("x", 0), "invalid chips_per_node=0", id="chips"),
+        pytest.param(lambda: req("x", 1, nodes=0), "invalid nodes=0", id="nodes"),
+        pytest.param(lambda: req("x", 1, est=0), "invalid estimate=0: request 'x': seconds > 0", id="estimate"),
+        pytest.param(lambda: Pool.uniform(0), "invalid capacity=0", id="capacity"),
+        pytest.param(
+            lambda: decide("fifo", pool=Pool.uniform(2), running=[run(req("x", 8, nodes=2), 0, 0)], waiting=[], now=0),
+            "invalid placement=(0, 0)",
+            id="placement",
+        ),
+        pytest.param(
+            lambda: decide(
+                "fifo", pool=Pool.uniform(1), running=[run(req("x", 4), 0), run(req("y", 5), 0)], waiting=[], now=0
+            ),
+            "needs 5 chips on each node; free there: [4]",
+            id="overfull",
+        ),
+        pytest.param(
+            lambda: decide("fairshare", pool=Pool.uniform(1), running=[], waiting=[], now=0, quotas={"a": -1}),
+            "invalid quotas={'a': -1}",
+            id="quotas",
+        ),
+        pytest.param(
+            lambda: decide("fifo", pool=Pool.uniform(1), running=[run(req("x", 1), 0)], waiting=[req("x", 1)], now=0),
+            "invalid waiting=['x']",
+            id="both",
+        ),
+        pytest.param(lambda: Queue(Pool.uniform(1), [req("x", 1), req("x", 2)]), "invalid id='x'", id="dup"),
+    ],
+)
 def test_bad_input_names_the_field_and_value(call, message):
     with pytest.raises(SpecError) as exc:
         call()
@@ -264,13 +312,31 @@ def test_bad_input_names_the_field_and_value(call, message):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_indexes_kept_by_the_caller_decide_like_plain_sequences(policy):
     pool = Pool.uniform(4, chips=8, racks=2)
-    busy = [run(req(f"r{i}", 1 + i % 8, est=10.0 * (i + 1), tenant="ab"[i % 2], prio=i % 3), i % 4,
-                started=float(i)) for i in range(6)]
-    waiting = [req(f"w{i}", 1 + (3 * i) % 8, nodes=1 + i % 3 if i % 4 == 0 else 1, t=float(i), est=5.0 * i + 1,
-                   tenant="abc"[i % 3], prio=(i * 7) % 5) for i in range(30)]
+    busy = [
+        run(req(f"r{i}", 1 + i % 8, est=10.0 * (i + 1), tenant="ab"[i % 2], prio=i % 3), i % 4, started=float(i))
+        for i in range(6)
+    ]
+    waiting = [
+        req(
+            f"w{i}",
+            1 + (3 * i) % 8,
+            nodes=1 + i % 3 if i % 4 == 0 else 1,
+            t=float(i),
+            est=5.0 * i + 1,
+            tenant="abc"[i % 3],
+            prio=(i * 7) % 5,
+        )
+        for i in range(30)
+    ]
     plain = decide(policy, pool=pool, running=busy, waiting=waiting, now=3, quotas={"a": 12, "b": 12, "c": 8})
-    again = decide(policy, pool=pool, running=list(reversed(busy)), waiting=list(reversed(waiting)), now=3,
-                   quotas={"a": 12, "b": 12, "c": 8})
+    again = decide(
+        policy,
+        pool=pool,
+        running=list(reversed(busy)),
+        waiting=list(reversed(waiting)),
+        now=3,
+        quotas={"a": 12, "b": 12, "c": 8},
+    )
     occ, queue = Occupancy(pool, busy), Queue(pool, waiting)
     indexed = decide(policy, pool=pool, running=occ, waiting=queue, now=3, quotas={"a": 12, "b": 12, "c": 8})
     # The caller applies the decision before reading why the rest waits: the reasons are

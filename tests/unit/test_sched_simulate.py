@@ -20,9 +20,19 @@ HEADER = "job_id,submission_time,duration,num_gpu\n"
 
 def job(id, gpus, duration, t, *, tenant="a", prio=0, chips=8):
     nodes = 1 if gpus <= chips else -(-gpus // chips)
-    return TraceJob(request=Request(id=id, nodes=nodes, chips_per_node=min(gpus, chips), submitted=t,
-                                    estimate=duration, tenant=tenant, priority=prio),
-                    duration=duration, gpus=gpus)
+    return TraceJob(
+        request=Request(
+            id=id,
+            nodes=nodes,
+            chips_per_node=min(gpus, chips),
+            submitted=t,
+            estimate=duration,
+            tenant=tenant,
+            priority=prio,
+        ),
+        duration=duration,
+        gpus=gpus,
+    )
 
 
 @pytest.fixture
@@ -37,8 +47,12 @@ def test_trace_rows_become_gangs_with_tenants_and_estimates(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text(HEADER + "a,0,100,1\nb,5,200,8\nc,9,300,12\nd,9,50,64\n")
     jobs = load(path, chips_per_node=8, tenants=3)
-    assert [(j.request.nodes, j.request.chips_per_node, j.gpus) for j in jobs] == [(1, 1, 1), (1, 8, 8), (2, 8, 12),
-                                                                                  (8, 8, 64)]
+    assert [(j.request.nodes, j.request.chips_per_node, j.gpus) for j in jobs] == [
+        (1, 1, 1),
+        (1, 8, 8),
+        (2, 8, 12),
+        (8, 8, 64),
+    ]
     assert [j.request.estimate for j in jobs] == [100, 200, 300, 50] == [j.duration for j in jobs]
     assert [j.request.tenant for j in jobs] == [j.request.tenant for j in load(path, tenants=3)]
     assert {j.request.tenant for j in jobs} <= {"tenant-0", "tenant-1", "tenant-2"}
@@ -56,15 +70,18 @@ def test_the_itp_trace_loads():
     assert len(jobs) == 500 and jobs[0].gpus == 16 and jobs[0].request.nodes == 2
 
 
-@pytest.mark.parametrize("rows,line,message", [
-    pytest.param("a,0,10,1\nb,1,10,x\n", 3, "invalid num_gpu='x': a whole number ≥ 1", id="num_gpu"),
-    pytest.param("a,0,10,0\n", 2, "invalid num_gpu='0'", id="zero-gpus"),
-    pytest.param("a,0,-5,1\n", 2, "invalid duration='-5': a number of seconds > 0", id="duration"),
-    pytest.param("a,soon,5,1\n", 2, "invalid submission_time='soon'", id="submission_time"),
-    pytest.param("a,0,5\n", 2, "invalid row='a,0,5': expected 4 fields, got 3", id="short-row"),
-    pytest.param("a,0,5,1\na,1,5,1\n", 3, "invalid job_id='a': duplicate of line 2", id="duplicate"),
-    pytest.param(",0,5,1\n", 2, "invalid job_id=''", id="no-id"),
-])
+@pytest.mark.parametrize(
+    "rows,line,message",
+    [
+        pytest.param("a,0,10,1\nb,1,10,x\n", 3, "invalid num_gpu='x': a whole number ≥ 1", id="num_gpu"),
+        pytest.param("a,0,10,0\n", 2, "invalid num_gpu='0'", id="zero-gpus"),
+        pytest.param("a,0,-5,1\n", 2, "invalid duration='-5': a number of seconds > 0", id="duration"),
+        pytest.param("a,soon,5,1\n", 2, "invalid submission_time='soon'", id="submission_time"),
+        pytest.param("a,0,5\n", 2, "invalid row='a,0,5': expected 4 fields, got 3", id="short-row"),
+        pytest.param("a,0,5,1\na,1,5,1\n", 3, "invalid job_id='a': duplicate of line 2", id="duplicate"),
+        pytest.param(",0,5,1\n", 2, "invalid job_id=''", id="no-id"),
+    ],
+)
 def test_malformed_traces_name_the_file_line_and_field(tmp_path, rows, line, message):
     path = tmp_path / "bad.csv"
     path.write_text(HEADER + rows)
@@ -83,18 +100,43 @@ def test_a_trace_without_a_column_is_refused_at_line_1(tmp_path):
         load(path)
 
 
-@pytest.mark.parametrize("policy,expected", [
-    # fifo: j1 [0,10) 2 chips; j2 [10,20) 4; j3 waits behind j2: [20,25) 2. 70 chip-s over 25 s × 4.
-    # Saturated [1,20): 2×9 + 4×10 = 58 chip-s over 19 s. JCT 10, 19, 23; waits 0, 9, 18.
-    pytest.param("fifo", dict(span_s=25, utilization=70 / 100, saturated_utilization=58 / 76,
-                              saturated_fraction=19 / 25, jct_mean_s=52 / 3, jct_p50_s=19, jct_p95_s=23,
-                              queue_delay_mean_s=9), id="fifo"),
-    # backfill: j3 ends at 7, before j2's reservation at 10: [2,7). j2 still starts at 10.
-    # Saturated [1,10): 2 + 4×5 + 2×3 = 28 chip-s over 9 s. JCT 10, 19, 5; waits 0, 9, 0.
-    pytest.param("backfill", dict(span_s=20, utilization=70 / 80, saturated_utilization=28 / 36,
-                                  saturated_fraction=9 / 20, jct_mean_s=34 / 3, jct_p50_s=10, jct_p95_s=19,
-                                  queue_delay_mean_s=3), id="backfill"),
-])
+@pytest.mark.parametrize(
+    "policy,expected",
+    [
+        # fifo: j1 [0,10) 2 chips; j2 [10,20) 4; j3 waits behind j2: [20,25) 2. 70 chip-s over 25 s × 4.
+        # Saturated [1,20): 2×9 + 4×10 = 58 chip-s over 19 s. JCT 10, 19, 23; waits 0, 9, 18.
+        pytest.param(
+            "fifo",
+            dict(
+                span_s=25,
+                utilization=70 / 100,
+                saturated_utilization=58 / 76,
+                saturated_fraction=19 / 25,
+                jct_mean_s=52 / 3,
+                jct_p50_s=19,
+                jct_p95_s=23,
+                queue_delay_mean_s=9,
+            ),
+            id="fifo",
+        ),
+        # backfill: j3 ends at 7, before j2's reservation at 10: [2,7). j2 still starts at 10.
+        # Saturated [1,10): 2 + 4×5 + 2×3 = 28 chip-s over 9 s. JCT 10, 19, 5; waits 0, 9, 0.
+        pytest.param(
+            "backfill",
+            dict(
+                span_s=20,
+                utilization=70 / 80,
+                saturated_utilization=28 / 36,
+                saturated_fraction=9 / 20,
+                jct_mean_s=34 / 3,
+                jct_p50_s=10,
+                jct_p95_s=19,
+                queue_delay_mean_s=3,
+            ),
+            id="backfill",
+        ),
+    ],
+)
 def test_utilization_and_jct_match_the_hand_computed_schedule(tiny, policy, expected):
     report = simulate(load(tiny, tenants=1), pool=Pool.uniform(1, chips=4), policy=policy)
     got = report.to_dict(series=False)
@@ -109,11 +151,14 @@ def test_tenant_share_is_chip_time():
     assert report.tenant_share == {"a": pytest.approx(30 / 70), "b": pytest.approx(40 / 70)}
 
 
-@pytest.mark.parametrize("interval,kept,low_finish", [
-    pytest.param(20, 20, 125, id="checkpoint-every-20s"),
-    pytest.param(10, 30, 115, id="checkpoint-every-10s"),
-    pytest.param(None, 0, 145, id="no-checkpoints"),
-])
+@pytest.mark.parametrize(
+    "interval,kept,low_finish",
+    [
+        pytest.param(20, 20, 125, id="checkpoint-every-20s"),
+        pytest.param(10, 30, 115, id="checkpoint-every-10s"),
+        pytest.param(None, 0, 145, id="no-checkpoints"),
+    ],
+)
 def test_a_preempted_job_resumes_from_its_last_checkpoint(interval, kept, low_finish):
     # low runs [0, 35) and is preempted by high (runs [35, 45)); it resumes at 45 with
     # 100 - kept seconds left. Lost: 35 - kept ≤ the checkpoint interval.
@@ -169,8 +214,25 @@ def test_plot_writes_a_png(tiny, tmp_path):
 
 
 def test_cli_simulate_prints_the_report_or_the_error(tiny, tmp_path, capsys):
-    assert main(["simulate", "--trace", str(tiny), "--capacity", "1", "--chips", "4", "--policy", "backfill",
-                 "--tenants", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(tiny),
+                "--capacity",
+                "1",
+                "--chips",
+                "4",
+                "--policy",
+                "backfill",
+                "--tenants",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["utilization"] == pytest.approx(0.875) and report["jct_p95_s"] == 19
     assert main(["simulate", "--trace", str(tiny), "--capacity", "1", "--chips", "4", "--policy", "fifo"]) == 0
@@ -184,7 +246,9 @@ def test_cli_simulate_prints_the_report_or_the_error(tiny, tmp_path, capsys):
 
 
 def test_the_core_imports_neither_airflow_nor_matplotlib():
-    code = ("import sys, trainflow.sched, trainflow.sched.simulate, trainflow.sched.trace; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'airflow', 'matplotlib', 'torch'}))")
+    code = (
+        "import sys, trainflow.sched, trainflow.sched.simulate, trainflow.sched.trace; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'airflow', 'matplotlib', 'torch'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

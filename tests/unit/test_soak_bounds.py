@@ -7,7 +7,6 @@ import os
 import time
 
 
-
 def _series(values, **extra):
     return [{"t": 15.0 * i, "logs_mb": v, **extra} for i, v in enumerate(values)]
 
@@ -45,8 +44,7 @@ def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means(soak_ben
     soak = soak_bench
     # Run completions make the level swing (second quarter low, last quarter high) while
     # retention keeps every promise: bounded, with the swing reported beside the verdict.
-    swinging = _series([0.6] * 10 + [0.6] * 10 + [1.0] * 10 + [1.2] * 10,
-                       log_parts=1, task_logs_past_cutoff_s=0.0)
+    swinging = _series([0.6] * 10 + [0.6] * 10 + [1.0] * 10 + [1.2] * 10, log_parts=1, task_logs_past_cutoff_s=0.0)
     verdict = soak.logs_bounded(swinging, log_keep=1)
     assert verdict["bounded"] is True and verdict["last_quarter_within_1.25"] is False
     # A task log that survived a sweep it should not have: not bounded, whatever the means.
@@ -54,8 +52,9 @@ def test_logs_are_bounded_by_retention_invariants_not_by_swinging_means(soak_ben
     stale[25]["task_logs_past_cutoff_s"] = 30.0
     assert soak.logs_bounded(stale, log_keep=1)["bounded"] is False
     # More rotated parts than kept: rotation is not pruning.
-    assert soak.logs_bounded(_series([1.0] * 40, log_parts=3, task_logs_past_cutoff_s=0.0),
-                             log_keep=1)["bounded"] is False
+    assert (
+        soak.logs_bounded(_series([1.0] * 40, log_parts=3, task_logs_past_cutoff_s=0.0), log_keep=1)["bounded"] is False
+    )
 
 
 def test_the_smoke_moves_each_fault_to_the_same_fraction_of_a_shorter_run(soak_bench):
@@ -77,8 +76,11 @@ def test_the_smoke_moves_each_fault_to_the_same_fraction_of_a_shorter_run(soak_b
 def test_a_smoke_result_is_judged_by_its_runs_and_retentions_invariants(soak_bench):
     runs = {"failed": [], "weights_equal_clean": 7, "succeeded": 7}
     leaky = {"bounded": False}
-    result = {"smoke": True, "runs": runs,
-              "bounds": {"history_rows_max": 1, "rss_mb:scheduler": leaky, "logs_mb": {"bounded": True}}}
+    result = {
+        "smoke": True,
+        "runs": runs,
+        "bounds": {"history_rows_max": 1, "rss_mb:scheduler": leaky, "logs_mb": {"bounded": True}},
+    }
     assert soak_bench.healthy(result)  # quarter means of a 2-minute run say nothing
     assert not soak_bench.healthy({**result, "smoke": False})
     assert not soak_bench.healthy({**result, "bounds": {**result["bounds"], "logs_mb": {"bounded": False}}})

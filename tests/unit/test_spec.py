@@ -96,8 +96,9 @@ def test_elastic_gangs_need_a_heartbeat_timeout_beyond_the_shrink_grace():
     TrainingSpec(nodes=3, shrink_grace=30, heartbeat_timeout=35)  # fixed size: no shrinking
 
 
-@pytest.mark.parametrize("kw, field", [({"nodes": "1:2"}, "nodes"), ({"spares": 1}, "spares"),
-                                       ({"launcher": "kubernetes"}, "launcher")])
+@pytest.mark.parametrize(
+    "kw, field", [({"nodes": "1:2"}, "nodes"), ({"spares": 1}, "spares"), ({"launcher": "kubernetes"}, "launcher")]
+)
 def test_preemptible_needs_a_fixed_gang_without_spares_on_the_local_launcher(kw, field):
     with pytest.raises(SpecError, match=f"invalid {field}.*preemptible run is a fixed-size gang"):
         TrainingSpec(preemptible=True, **kw)

@@ -70,6 +70,7 @@ def test_concurrent_admissions_never_overcommit(state_target):
             return Allocator(state_target).admit(f"run-{i}", tenant="t", pool="p", nodes=2, ttl=60).nodes
         except AdmissionError:
             return 0
+
     with ThreadPoolExecutor(6) as pool:
         granted = list(pool.map(admit, range(6)))
     assert sum(granted) == 4 and granted.count(2) == 2
@@ -89,8 +90,12 @@ def test_the_profile_switch():
     from trainflow.stack import EmbeddedStack
 
     assert EmbeddedStack.from_env({}).broker_url == ""
-    env = {"TRAINFLOW_PROFILE": "distributed", "TRAINFLOW_AIRFLOW_DB": "postgresql+psycopg2://p@h/a",
-           "TRAINFLOW_BROKER_URL": "redis://h:6379/0", "TRAINFLOW_STATE_DB": "postgresql://p@h/t"}
+    env = {
+        "TRAINFLOW_PROFILE": "distributed",
+        "TRAINFLOW_AIRFLOW_DB": "postgresql+psycopg2://p@h/a",
+        "TRAINFLOW_BROKER_URL": "redis://h:6379/0",
+        "TRAINFLOW_STATE_DB": "postgresql://p@h/t",
+    }
     stack = EmbeddedStack.from_env(env)
     assert [w["name"] for w in stack.workers] == ["control", "cpu-1", "cpu-2"]
     assert stack.env()["AIRFLOW__CORE__EXECUTOR"] == "executors.placement.PlacementCeleryExecutor"
@@ -133,8 +138,9 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
     errors = []
     for trial in range(60):
         barrier, out = ctx.Barrier(3), ctx.Queue()
-        procs = [ctx.Process(target=_open_when_released, args=(tmp_path / f"r{trial}.db", barrier, out))
-                 for _ in range(3)]
+        procs = [
+            ctx.Process(target=_open_when_released, args=(tmp_path / f"r{trial}.db", barrier, out)) for _ in range(3)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -143,7 +149,6 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
             try:
                 errors.append(out.get(timeout=5))
             except queue.Empty:
-                errors.append(f"trial {trial}: a child never answered (exit codes "
-                              f"{[q.exitcode for q in procs]})")
+                errors.append(f"trial {trial}: a child never answered (exit codes {[q.exitcode for q in procs]})")
         errors = [e for e in errors if e]
     assert errors == []

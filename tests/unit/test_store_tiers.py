@@ -59,6 +59,7 @@ def test_checkpoints_of_another_training_or_a_corrupt_one_are_not_uploaded(tmp_p
     def counting(*a, **kw):
         verified.append(1)
         return real(*a, **kw)
+
     monkeypatch.setattr(manifest, "newest_verified", counting)
     for _ in range(5):
         pub.poll()
@@ -80,6 +81,7 @@ def test_nodes_hydrating_together_fetch_once_and_agree(tmp_path):
             got.append(hydrate(run_dir, store, training_hash="h1", world_size=2))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+
     threads = [threading.Thread(target=node) for _ in range(4)]
     for t in threads:
         t.start()

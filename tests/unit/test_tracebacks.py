@@ -27,5 +27,22 @@ torch elastic: restarting workers"""
 def test_the_lines_of_a_traceback_and_only_those_are_errors():
     levels = TracebackLevels()
     marks = [levels.level(line) == logging.ERROR for line in OUTPUT.splitlines()]
-    assert marks == [False, True, True, True, True, True, False,
-                     True, True, True, False, True, True, True, True, True, False]
+    assert marks == [
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+        True,
+        True,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]

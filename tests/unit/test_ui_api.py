@@ -50,8 +50,7 @@ def airflow_auth(tmp_path_factory):
         for key, value in {
             "AIRFLOW_HOME": str(home),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-            "AIRFLOW__CORE__AUTH_MANAGER":
-                "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+            "AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
@@ -104,11 +103,14 @@ def home(tmp_path_factory):
     spec = TrainingSpec(nodes=2, steps=60, checkpoint_interval=20)
     ws = Workspace(home / "runs", "default", "train_digits", RUN).create()
     write_json_atomic(ws.spec_file, spec.to_dict())
-    write_json_atomic(ws.plan_file, build_plan(spec, dag_id="train_digits", run_id=RUN, run_dir=str(ws.dir),
-                                               rdzv_endpoint="sqlite:///x"))
+    write_json_atomic(
+        ws.plan_file,
+        build_plan(spec, dag_id="train_digits", run_id=RUN, run_dir=str(ws.dir), rdzv_endpoint="sqlite:///x"),
+    )
     for rank in (0, 1):
         HeartbeatWriter(ws.heartbeats, rank=rank, node=rank, interval=1, world=2).beat(
-            step=10 + rank, total=60, state=RankState.TRAINING, loss=0.7, samples_per_s=500.0, force=True)
+            step=10 + rank, total=60, state=RankState.TRAINING, loss=0.7, samples_per_s=500.0, force=True
+        )
     for step, loss in ((1, 2.3), (10, 0.7)):
         timeline.append(ws.dir / "curve.jsonl", {"time": 1.0, "step": step, "loss": loss})
     timeline.record(ws.dir, "stall_detected", ranks=[1], message=XSS)  # messages carry user text
@@ -152,8 +154,9 @@ def test_a_token_signed_with_another_secret_is_403(client, airflow_auth, path):
     from airflow.api_fastapi.auth.tokens import JWTGenerator
 
     claims = airflow_auth.serialize_user(SimpleAuthManagerUser(username="admin", role="admin"))
-    forged = JWTGenerator(secret_key="an-attacker-secret-" + "x" * 48, valid_for=3600,
-                          audience=airflow_auth._get_jwt_audience()).generate(claims)
+    forged = JWTGenerator(
+        secret_key="an-attacker-secret-" + "x" * 48, valid_for=3600, audience=airflow_auth._get_jwt_audience()
+    ).generate(claims)
     r = client.get(path, headers={"Authorization": f"Bearer {forged}"})
     assert r.status_code == 403 and r.json() == {"detail": "Invalid JWT token"}
     assert client.get(path, headers={"Authorization": "Bearer not-a-jwt"}).status_code == 403
@@ -199,15 +202,19 @@ def test_an_unknown_run_is_404_with_a_message(client, auth):
     assert r.json() == {"detail": "no run default/train_digits/nope: no workspace with a plan or spec"}
 
 
-@pytest.mark.parametrize("path, loc", [
-    ("/api/runs/Default/train_digits/x", ["path", "tenant"]),
-    ("/api/runs/default/train%20digits/x", ["path", "dag_id"]),
-    ("/api/runs/default/train_digits/-x", ["path", "run_id"]),
-    ("/api/runs/default/train_digits/a..b", ["path", "run_id"]),
-    ("/api/runs?limit=0", ["query", "limit"]),
-    ("/api/runs?limit=many", ["query", "limit"]),
-    ("/api/runs?tenant=A_B", ["query", "tenant"]),
-], ids=["tenant", "dag-id", "run-id", "dotdot", "limit-low", "limit-type", "tenant-query"])
+@pytest.mark.parametrize(
+    "path, loc",
+    [
+        ("/api/runs/Default/train_digits/x", ["path", "tenant"]),
+        ("/api/runs/default/train%20digits/x", ["path", "dag_id"]),
+        ("/api/runs/default/train_digits/-x", ["path", "run_id"]),
+        ("/api/runs/default/train_digits/a..b", ["path", "run_id"]),
+        ("/api/runs?limit=0", ["query", "limit"]),
+        ("/api/runs?limit=many", ["query", "limit"]),
+        ("/api/runs?tenant=A_B", ["query", "tenant"]),
+    ],
+    ids=["tenant", "dag-id", "run-id", "dotdot", "limit-low", "limit-type", "tenant-query"],
+)
 def test_a_malformed_parameter_is_422_naming_it(client, auth, path, loc):
     r = client.get(path, headers=auth)
     assert r.status_code == 422
@@ -234,10 +241,9 @@ def test_the_openapi_documents_the_routes_and_their_security(client):
 
 def test_the_plugin_mounts_the_app_and_the_page_calls_the_mounted_api(airflow_auth, ui, home, monkeypatch):
     """As the api-server mounts it (``init_plugins``): under the prefix, built lazily."""
+    from airflow.api_fastapi.core_api.datamodels.plugins import ExternalViewResponse, FastAPIAppResponse
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-
-    from airflow.api_fastapi.core_api.datamodels.plugins import ExternalViewResponse, FastAPIAppResponse
 
     monkeypatch.setenv("TRAINFLOW_HOME", str(home))
     [entry] = ui.TrainflowUIPlugin.fastapi_apps
@@ -261,10 +267,18 @@ def test_the_plugin_mounts_the_app_and_the_page_calls_the_mounted_api(airflow_au
 
 
 def test_importing_the_plugin_is_cheap(tmp_path):
-    code = ("import sys, trainflow_ui; heavy = [m for m in ('fastapi', 'airflow.api_fastapi.core_api.security', "
-            "'trainflow.ui.data', 'torch') if m in sys.modules]; print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=PLUGINS, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(PLUGINS), "AIRFLOW_HOME": str(tmp_path)})
+    code = (
+        "import sys, trainflow_ui; heavy = [m for m in ('fastapi', 'airflow.api_fastapi.core_api.security', "
+        "'trainflow.ui.data', 'torch') if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=PLUGINS,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(PLUGINS), "AIRFLOW_HOME": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
@@ -309,7 +323,7 @@ def test_the_page_script_renders_a_live_run_and_escapes_its_text(client, auth, u
     got = run_page(client.get("/", headers=auth).text, answers)
     assert got["msg"] == "" and got["next"] == ui.LIVE_REFRESH_MS  # live: polls fast
     assert RUN in got["runs"] and "10/60" in got["runs"]
-    assert got["detail"].count(">healthy<") == 2 and "<path d=\"M" in got["detail"]
+    assert got["detail"].count(">healthy<") == 2 and '<path d="M' in got["detail"]
     assert "stall_detected" in got["detail"] and XSS not in got["detail"] and "&lt;img" in got["detail"]
 
     signed_out = {"/api/runs": [401, {"detail": "Not authenticated"}]}
@@ -327,22 +341,25 @@ def test_access_follows_the_auth_managers_per_dag_decision(airflow_auth, ui, tmp
     for tenant, dag_id in (("team-a", "train_digits"), ("team-b", "team_b_train")):
         ws = Workspace(home / "runs", tenant, dag_id, "r1").create()
         write_json_atomic(ws.spec_file, spec.to_dict())
-        write_json_atomic(ws.plan_file, build_plan(spec, dag_id=dag_id, run_id="r1", run_dir=str(ws.dir),
-                                                   rdzv_endpoint="sqlite:///x"))
+        write_json_atomic(
+            ws.plan_file, build_plan(spec, dag_id=dag_id, run_id="r1", run_dir=str(ws.dir), rdzv_endpoint="sqlite:///x")
+        )
     real = type(airflow_auth).is_authorized_dag
     asked = []
 
     def only_digits(self, *, method, user, access_entity=None, details=None):
         asked.append(details.id if details else None)
         return (details is None or details.id in (None, "train_digits")) and real(
-            self, method=method, user=user, access_entity=access_entity, details=details)
+            self, method=method, user=user, access_entity=access_entity, details=details
+        )
 
     monkeypatch.setattr(type(airflow_auth), "is_authorized_dag", only_digits)
     monkeypatch.setenv("TRAINFLOW_HOME", str(home))
     auth = {"Authorization": f"Bearer {token(airflow_auth)}"}
     with TestClient(ui.create_app()) as c:
         assert [(r["tenant"], r["dag_id"]) for r in c.get("/api/runs", headers=auth).json()] == [
-            ("team-a", "train_digits")]
+            ("team-a", "train_digits")
+        ]
         assert c.get("/api/runs?tenant=team-b", headers=auth).json() == []
         assert c.get("/api/runs/team-b/team_b_train/r1", headers=auth).status_code == 403
         assert c.get("/api/runs/team-a/train_digits/r1", headers=auth).status_code == 200

@@ -20,12 +20,21 @@ from trainflow.ui.data import RunNotFoundError, RunState, list_runs, run_detail
 from trainflow.workspace import COMPLETE, Workspace, write_json_atomic
 
 
-def make_run(root: Path, run_id: str = "manual__1", *, dag_id: str = "train_digits", tenant: str = "default",
-             nodes: int = 2, steps: int = 60, beats: dict[int, dict] | None = None) -> Path:
+def make_run(
+    root: Path,
+    run_id: str = "manual__1",
+    *,
+    dag_id: str = "train_digits",
+    tenant: str = "default",
+    nodes: int = 2,
+    steps: int = 60,
+    beats: dict[int, dict] | None = None,
+) -> Path:
     """A run's workspace as provision and the node agents write it: plan, spec, node
     status files and (``beats``: rank → beat kwargs) heartbeats."""
-    spec = TrainingSpec(nodes=nodes, steps=steps, checkpoint_interval=20, heartbeat_timeout=10,
-                        startup_timeout=30, tenant=tenant)
+    spec = TrainingSpec(
+        nodes=nodes, steps=steps, checkpoint_interval=20, heartbeat_timeout=10, startup_timeout=30, tenant=tenant
+    )
     ws = Workspace(root, tenant, dag_id, run_id).create()
     plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(ws.dir), rdzv_endpoint="sqlite:///x")
     write_json_atomic(ws.spec_file, spec.to_dict())
@@ -33,8 +42,10 @@ def make_run(root: Path, run_id: str = "manual__1", *, dag_id: str = "train_digi
     for sub in ("nodes", "control"):  # as the node agents and local.prepare make them
         (ws.dir / sub).mkdir()
     for node in range(nodes):
-        write_json_atomic(ws.dir / "nodes" / f"node-{node:04d}.json",
-                          {"node": node, "state": "running", "pid": 1, "started": time.time() - 5})
+        write_json_atomic(
+            ws.dir / "nodes" / f"node-{node:04d}.json",
+            {"node": node, "state": "running", "pid": 1, "started": time.time() - 5},
+        )
     for rank, kw in (beats or {}).items():
         HeartbeatWriter(ws.heartbeats, rank=rank, node=rank, interval=1, world=nodes).beat(force=True, **kw)
     return ws.dir
@@ -78,7 +89,10 @@ def test_a_running_run_in_the_list_and_in_detail(tmp_path):
     assert (ckpt["step"], ckpt["bytes"], ckpt["verified"]) == (20, 120, True)
     assert ckpt["path"].endswith("checkpoints/step-00000020")
     assert [(e["event"], e["kind"]) for e in d["timeline"]] == [
-        ("checkpoint_committed", "info"), ("fault_injected", "fault"), ("resumed", "recovery")]
+        ("checkpoint_committed", "info"),
+        ("fault_injected", "fault"),
+        ("resumed", "recovery"),
+    ]
     assert [n["state"] for n in d["node_agents"]] == ["running", "running"]
     assert d["evaluation"] is None and d["errors"] == [] and d["spec"]["steps"] == 60
     assert json.loads(json.dumps(d)) == d
@@ -103,19 +117,25 @@ def _aborted(run_dir: Path) -> None:
 
 def _agents_failed(run_dir: Path) -> None:
     for node, state in ((0, "failed"), (1, "succeeded")):
-        write_json_atomic(run_dir / "nodes" / f"node-{node:04d}.json",
-                          {"node": node, "state": state, "started": 1.0, "ended": 2.0, "error": "boom"})
+        write_json_atomic(
+            run_dir / "nodes" / f"node-{node:04d}.json",
+            {"node": node, "state": state, "started": 1.0, "ended": 2.0, "error": "boom"},
+        )
 
 
-@pytest.mark.parametrize("beats, act, later, state, reason", [
-    ({}, None, 0, RunState.PENDING, "no rank"),
-    ({0: training(5), 1: training(5)}, None, 0, RunState.RUNNING, "progressing"),
-    ({0: training(5), 1: training(5)}, None, 60, RunState.STALLED, "without progress"),
-    ({0: training(5)}, None, 120, RunState.STALLED, "ranks [1]"),
-    ({0: training(5), 1: training(5)}, _completed, 600, RunState.COMPLETED, "complete.json"),
-    ({0: training(5), 1: training(5)}, _aborted, 0, RunState.FAILED, "ZeroDivisionError"),
-    ({0: training(5), 1: training(5)}, _agents_failed, 0, RunState.FAILED, "node 0 failed: boom"),
-], ids=["pending", "running", "stalled", "startup-timeout", "completed", "aborted", "agent-failed"])
+@pytest.mark.parametrize(
+    "beats, act, later, state, reason",
+    [
+        ({}, None, 0, RunState.PENDING, "no rank"),
+        ({0: training(5), 1: training(5)}, None, 0, RunState.RUNNING, "progressing"),
+        ({0: training(5), 1: training(5)}, None, 60, RunState.STALLED, "without progress"),
+        ({0: training(5)}, None, 120, RunState.STALLED, "ranks [1]"),
+        ({0: training(5), 1: training(5)}, _completed, 600, RunState.COMPLETED, "complete.json"),
+        ({0: training(5), 1: training(5)}, _aborted, 0, RunState.FAILED, "ZeroDivisionError"),
+        ({0: training(5), 1: training(5)}, _agents_failed, 0, RunState.FAILED, "node 0 failed: boom"),
+    ],
+    ids=["pending", "running", "stalled", "startup-timeout", "completed", "aborted", "agent-failed"],
+)
 def test_run_state_is_derived_from_the_files(tmp_path, beats, act, later, state, reason):
     run_dir = make_run(tmp_path, beats=beats)
     if act:
@@ -127,16 +147,29 @@ def test_run_state_is_derived_from_the_files(tmp_path, beats, act, later, state,
 
 def test_evaluation_and_errors_are_reported(tmp_path):
     run_dir = make_run(tmp_path, beats={0: {"step": 60, "total": 60, "state": RankState.DONE}})
-    metrics = {"metrics": {"accuracy": 0.97}, "step": 60, "target": {"metric": "accuracy", "op": ">=",
-                                                                    "value": 0.95, "met": True}}
+    metrics = {
+        "metrics": {"accuracy": 0.97},
+        "step": 60,
+        "target": {"metric": "accuracy", "op": ">=", "value": 0.95, "met": True},
+    }
     write_json_atomic(run_dir / "metrics.json", metrics)
     (run_dir / "errors").mkdir()
-    write_json_atomic(run_dir / "errors" / "rank-00001.json",
-                      {"rank": 1, "kind": "infrastructure", "type": "RuntimeError", "message": "gloo",
-                       "traceback": "long", "time": 1.0})
+    write_json_atomic(
+        run_dir / "errors" / "rank-00001.json",
+        {
+            "rank": 1,
+            "kind": "infrastructure",
+            "type": "RuntimeError",
+            "message": "gloo",
+            "traceback": "long",
+            "time": 1.0,
+        },
+    )
     d = run_detail(tmp_path, "default", "train_digits", "manual__1")
     assert d["evaluated"] and d["evaluation"] == metrics
-    assert d["errors"] == [{"rank": 1, "kind": "infrastructure", "type": "RuntimeError", "message": "gloo", "time": 1.0}]
+    assert d["errors"] == [
+        {"rank": 1, "kind": "infrastructure", "type": "RuntimeError", "message": "gloo", "time": 1.0}
+    ]
 
 
 def test_list_filters_skips_foreign_directories_and_sorts_newest_first(tmp_path):
@@ -148,7 +181,10 @@ def test_list_filters_skips_foreign_directories_and_sorts_newest_first(tmp_path)
     (tmp_path / "Bad Tenant" / "dag" / "run").mkdir(parents=True)
     (tmp_path / "default" / "train_digits" / "stray.txt").write_text("x")
     later = time.time() + 1
-    assert [r["run_id"] for r in list_runs(tmp_path, now=later, tenant="default", dag_id="train_digits")] == ["new", "old"]
+    assert [r["run_id"] for r in list_runs(tmp_path, now=later, tenant="default", dag_id="train_digits")] == [
+        "new",
+        "old",
+    ]
     assert {r["run_id"] for r in list_runs(tmp_path, now=later)} == {"new", "old", "other", "team"}
     assert [r["run_id"] for r in list_runs(tmp_path, tenant="team-a")] == ["team"]
     assert list_runs(tmp_path / "missing") == []
@@ -163,14 +199,18 @@ def test_an_unknown_run_is_a_specific_error(tmp_path):
         run_detail(tmp_path, "default", "train_digits", "empty")
 
 
-@pytest.mark.parametrize("tenant, dag_id, run_id, field", [
-    ("default", "train_digits", "..", "run_id"),
-    ("default", "train_digits", "a..b", "run_id"),
-    ("default", "..", "x", "dag_id"),
-    ("../etc", "train_digits", "x", "tenant"),
-    ("Default", "train_digits", "x", "tenant"),
-    ("default", "train_digits", "a/b", "run_id"),
-], ids=["dotdot-run", "dotdot-inside", "dotdot-dag", "escape-tenant", "upper-tenant", "slash"])
+@pytest.mark.parametrize(
+    "tenant, dag_id, run_id, field",
+    [
+        ("default", "train_digits", "..", "run_id"),
+        ("default", "train_digits", "a..b", "run_id"),
+        ("default", "..", "x", "dag_id"),
+        ("../etc", "train_digits", "x", "tenant"),
+        ("Default", "train_digits", "x", "tenant"),
+        ("default", "train_digits", "a/b", "run_id"),
+    ],
+    ids=["dotdot-run", "dotdot-inside", "dotdot-dag", "escape-tenant", "upper-tenant", "slash"],
+)
 def test_names_cannot_escape_the_root(tmp_path, tenant, dag_id, run_id, field):
     with pytest.raises(SpecError) as err:
         run_detail(tmp_path, tenant, dag_id, run_id)
@@ -204,13 +244,27 @@ def test_faults_membership_goodput_and_allocation(tmp_path):
     for node in (0, 1):
         (run_dir / "nodes" / f"slot-{node:04d}.held").touch()
     t = time.time() - 4
-    for event, kw, at in (("gang_start", {"step": 0, "nodes": [0, 1, 2], "world": 3}, t),
-                          ("fault_injected", {"kind": "kill_node", "node": 2, "step": 31}, t + 1),
-                          ("stall_detected", {"ranks": [2]}, t + 1.5),
-                          ("resumed", {"step": 20}, t + 3),
-                          ("membership", {"step": 20, "change": "shrink", "world_from": 3, "world_to": 2,
-                                          "nodes_from": [0, 1, 2], "nodes_to": [0, 1], "joined": [],
-                                          "left": [2], "spares_used": []}, t + 3.1)):
+    for event, kw, at in (
+        ("gang_start", {"step": 0, "nodes": [0, 1, 2], "world": 3}, t),
+        ("fault_injected", {"kind": "kill_node", "node": 2, "step": 31}, t + 1),
+        ("stall_detected", {"ranks": [2]}, t + 1.5),
+        ("resumed", {"step": 20}, t + 3),
+        (
+            "membership",
+            {
+                "step": 20,
+                "change": "shrink",
+                "world_from": 3,
+                "world_to": 2,
+                "nodes_from": [0, 1, 2],
+                "nodes_to": [0, 1],
+                "joined": [],
+                "left": [2],
+                "spares_used": [],
+            },
+            t + 3.1,
+        ),
+    ):
         timeline.append(run_dir / "timeline.jsonl", {"time": at, "event": event, **kw})
     now = t + 4
     [row] = list_runs(tmp_path, now=now)
@@ -218,8 +272,14 @@ def test_faults_membership_goodput_and_allocation(tmp_path):
     assert 0 < row["goodput"] < 1
     d = run_detail(tmp_path, "default", "train_digits", "manual__1", now=now)
     [fault] = d["faults"]
-    assert (fault["kind"], fault["step"], fault["detection_s"], fault["recovery_s"], fault["resumed_from_step"],
-            fault["steps_lost"]) == ("kill_node", 31, 0.5, 2.0, 20, 10)
+    assert (
+        fault["kind"],
+        fault["step"],
+        fault["detection_s"],
+        fault["recovery_s"],
+        fault["resumed_from_step"],
+        fault["steps_lost"],
+    ) == ("kill_node", 31, 0.5, 2.0, 20, 10)
     assert fault["membership"] == {"change": "shrink", "world_from": 3, "world_to": 2, "joined": [], "left": [2]}
     [change] = d["membership"]
     assert (change["change"], change["nodes_to"], change["left"], change["step"]) == ("shrink", [0, 1], [2], 20)

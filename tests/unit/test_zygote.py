@@ -19,7 +19,7 @@ from trainflow.launch import zygote
 
 pytestmark = pytest.mark.integration  # real processes / a gloo world
 
-PROBE = textwrap.dedent('''
+PROBE = textwrap.dedent("""
     import os, sys, time
     what = sys.argv[1]
     print(f"probe {what} pid={os.getpid()} rank={os.environ.get('RANK')} cwd={os.getcwd()}", flush=True)
@@ -30,7 +30,7 @@ PROBE = textwrap.dedent('''
     if what == "sleep":
         open(sys.argv[2], "w").write(str(os.getpid()))
         time.sleep(60)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,9 @@ def warm(tmp_path_factory):
     (home / "zygote_probe.py").write_text(PROBE)
     path = str(home / "z.sock")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(home), *sys.path]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "serve", path,
-                             str(os.getpid())], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "trainflow.launch.zygote", "serve", path, str(os.getpid())], env=env
+    )
     deadline = time.time() + 120
     while not os.path.exists(path):
         assert proc.poll() is None and time.time() < deadline, "the zygote did not come up"
@@ -55,8 +56,14 @@ def _standin(warm, *args, rank="3", zygote_on=True, **kw) -> subprocess.Popen:
     env = {**warm["env"], "RANK": rank}
     if zygote_on:
         env.update(TRAINFLOW_ZYGOTE_SOCKET=warm["socket"], TRAINFLOW_ZYGOTE_PID=str(warm["pid"]))
-    return subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "run", "zygote_probe",
-                             *args], env=env, cwd=warm["home"], stdout=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "trainflow.launch.zygote", "run", "zygote_probe", *args],
+        env=env,
+        cwd=warm["home"],
+        stdout=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _gone(pid: int, timeout: float = 5) -> bool:
@@ -124,11 +131,19 @@ def test_without_a_zygote_the_standin_becomes_the_plain_worker(warm):
 def test_a_dead_zygote_is_not_waited_for(warm):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    env = {**warm["env"], "TRAINFLOW_ZYGOTE_SOCKET": str(warm["home"] / "none.sock"),
-           "TRAINFLOW_ZYGOTE_PID": str(dead.pid)}
+    env = {
+        **warm["env"],
+        "TRAINFLOW_ZYGOTE_SOCKET": str(warm["home"] / "none.sock"),
+        "TRAINFLOW_ZYGOTE_PID": str(dead.pid),
+    }
     t = time.time()
-    p = subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "run", "zygote_probe",
-                          "exit", "4"], env=env, cwd=warm["home"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-u", "-m", "trainflow.launch.zygote", "run", "zygote_probe", "exit", "4"],
+        env=env,
+        cwd=warm["home"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 4 and f"pid={p.pid} " in out
     assert time.time() - t < zygote.READY_WAIT_S / 2

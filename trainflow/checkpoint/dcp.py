@@ -186,12 +186,12 @@ def _layout(buffers: list[memoryview]) -> tuple[list[int], list[tuple[int, memor
             head = -addr % _ALIGN
             body = (n - head) // _ALIGN * _ALIGN
             if start > pos:
-                pieces.append((pos, _ZEROS[:start - pos], False))
+                pieces.append((pos, _ZEROS[: start - pos], False))
             if head:
                 pieces.append((start, view[:head], False))
-            pieces.append((start + head, view[head:head + body], True))
+            pieces.append((start + head, view[head : head + body], True))
             if head + body < n:
-                pieces.append((start + head + body, view[head + body:], False))
+                pieces.append((start + head + body, view[head + body :], False))
         offsets.append(start)
         pos = start + n
     return offsets, pieces, pos
@@ -267,13 +267,13 @@ def _write_direct(path: Path, pieces: list[tuple[int, memoryview, bool]], size: 
             pos = 0
             while pos < len(data):
                 k = min(len(bounce) - filled, len(data) - pos)
-                bounce[filled:filled + k] = data[pos:pos + k]
+                bounce[filled : filled + k] = data[pos : pos + k]
                 filled, pos = filled + k, pos + k
                 if filled == len(bounce):
                     flush()
         if filled > start:
             padded = -(-filled // _ALIGN) * _ALIGN
-            bounce[filled:padded] = _ZEROS[:padded - filled]
+            bounce[filled:padded] = _ZEROS[: padded - filled]
             filled = padded
         flush()
         os.ftruncate(fd, size)
@@ -341,9 +341,11 @@ def _writer(path: Path):
                 buffers.append(data.getbuffer() if item.type == WriteItemType.BYTE_IO else _as_bytes(data))
             offsets, size, sha = _write_file(Path(self.path) / name, buffers)
             results = _Written(
-                WriteResult(index=item.index, size_in_bytes=len(buf),
-                            storage_data=_StorageInfo(name, offset, len(buf), [_RAW]))
-                for item, buf, offset in zip(plan.items, buffers, offsets))
+                WriteResult(
+                    index=item.index, size_in_bytes=len(buf), storage_data=_StorageInfo(name, offset, len(buf), [_RAW])
+                )
+                for item, buf, offset in zip(plan.items, buffers, offsets)
+            )
             results.digests = {name: (size, sha)}
             fut: Future = Future()
             fut.set_result(results)
@@ -406,20 +408,31 @@ def _save(state: dict, writer, group=None) -> None:
         failures = [failed or None]
     dist.broadcast_object_list(failures, group=group, group_src=0)
     if failures[0]:
-        raise CheckpointException("checkpoint save failed", {
-            r: (error, traceback.extract_tb(error.__traceback__)) if r == rank and error is not None
-            else (RuntimeError(f"rank {r}: {text}"), traceback.StackSummary())
-            for r, text in failures[0].items()})
+        raise CheckpointException(
+            "checkpoint save failed",
+            {
+                r: (error, traceback.extract_tb(error.__traceback__))
+                if r == rank and error is not None
+                else (RuntimeError(f"rank {r}: {text}"), traceback.StackSummary())
+                for r, text in failures[0].items()
+            },
+        )
 
 
 # What a DCP ``.metadata`` pickle may name: DCP's own metadata classes, torch.Size, dtypes
 # and layouts, and the path of the checkpoint. Anything else (os.system, builtins.eval,
 # a class with a hostile __reduce__ ...) is refused before it runs.
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                     ("pathlib", "PureWindowsPath")}
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 def safe_metadata(fh):
@@ -435,14 +448,19 @@ def safe_metadata(fh):
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str):
             ok = (module, name) in _METADATA_GLOBALS or (
-                module in _METADATA_MODULES and isinstance(getattr(__import__(module, fromlist=[name]), name, None), type))
-            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                             torch.memory_format)):
+                module in _METADATA_MODULES
+                and isinstance(getattr(__import__(module, fromlist=[name]), name, None), type)
+            )
+            if module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+            ):
                 ok = True
             if not ok:
-                raise CheckpointError(f"checkpoint metadata names {module}.{name}, which a DCP checkpoint "
-                                      f"never does; refusing to load it")
+                raise CheckpointError(
+                    f"checkpoint metadata names {module}.{name}, which a DCP checkpoint never does; refusing to load it"
+                )
             return super().find_class(module, name)
+
     try:
         return _Unpickler(fh).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as exc:
@@ -519,8 +537,7 @@ def _reader(path: str):
             chunk = next(c for c in md.chunks if c.offsets == req.storage_index.offset)
             target = planner.resolve_tensor(req).detach()
             whole = list(req.lengths) == list(chunk.sizes)
-            if (whole and target.device.type == "cpu" and target.dtype == md.properties.dtype
-                    and target.is_contiguous()):
+            if whole and target.device.type == "cpu" and target.dtype == md.properties.dtype and target.is_contiguous():
                 _read_exactly(fh, _as_bytes_view(target))
             else:
                 stored = torch.empty(chunk.sizes, dtype=md.properties.dtype)
@@ -590,8 +607,17 @@ def _prepare(root: Path, step: int, group=None) -> Path:
     return partial
 
 
-def save(model, optimizer, *, root: Path, step: int, world_size: int, training_hash: str,
-         keep_last: int, extra: dict | None = None) -> manifest.CheckpointRef | None:
+def save(
+    model,
+    optimizer,
+    *,
+    root: Path,
+    step: int,
+    world_size: int,
+    training_hash: str,
+    keep_last: int,
+    extra: dict | None = None,
+) -> manifest.CheckpointRef | None:
     """Collective: every rank saves its shards; rank 0 commits and prunes.
 
     Returns the committed ``CheckpointRef`` on rank 0, None elsewhere. Checkpoints beyond
@@ -607,10 +633,10 @@ def save(model, optimizer, *, root: Path, step: int, world_size: int, training_h
     ref = None
     try:
         if rank == 0:
-            ref = manifest.commit(root, step, world_size=world_size, training_hash=training_hash,
-                                  extra=extra, digests=writer.digests)
-            _pruning = threading.Thread(target=manifest.prune, args=(root, keep_last),
-                                        name="trainflow-ckpt-prune")
+            ref = manifest.commit(
+                root, step, world_size=world_size, training_hash=training_hash, extra=extra, digests=writer.digests
+            )
+            _pruning = threading.Thread(target=manifest.prune, args=(root, keep_last), name="trainflow-ckpt-prune")
             _pruning.start()
     finally:
         dist.barrier()  # also when rank 0's commit failed: the other ranks wait here
@@ -692,8 +718,9 @@ class AsyncCheckpointer:
     previous checkpoint the newest verified one.
     """
 
-    def __init__(self, *, root: Path, world_size: int, training_hash: str, keep_last: int,
-                 on_commit=None, on_error=None) -> None:
+    def __init__(
+        self, *, root: Path, world_size: int, training_hash: str, keep_last: int, on_commit=None, on_error=None
+    ) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -704,12 +731,17 @@ class AsyncCheckpointer:
         self.group = dist.new_group(backend="gloo")
         # Synchronous staging into CPU buffers cached per storage (reused by every save);
         # pinned only where there is an accelerator to copy from (any family).
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=torch.accelerator.current_accelerator() is not None, use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=False))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.accelerator.current_accelerator() is not None,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
         self.on_commit, self.on_error = on_commit, on_error
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainflow-ckpt")
-        self._idle = threading.Event()   # no save in flight
+        self._idle = threading.Event()  # no save in flight
         self._staged = threading.Event()  # the save in flight no longer reads the live state
         self._idle.set()
         self._staged.set()
@@ -759,9 +791,14 @@ class AsyncCheckpointer:
             writer = _writer(_prepare(self.root, step, self.group))
             _save(staged, writer, self.group)
             if self.rank == 0:
-                ref = manifest.commit(self.root, step, world_size=self.world_size,
-                                      training_hash=self.training_hash, extra=extra,
-                                      digests=writer.digests)
+                ref = manifest.commit(
+                    self.root,
+                    step,
+                    world_size=self.world_size,
+                    training_hash=self.training_hash,
+                    extra=extra,
+                    digests=writer.digests,
+                )
                 manifest.prune(self.root, self.keep_last)
                 if self.on_commit is not None:
                     self.on_commit(ref)

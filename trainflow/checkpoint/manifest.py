@@ -109,9 +109,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(root: Path, step: int, *, world_size: int, training_hash: str,
-           extra: dict | None = None,
-           digests: dict[str, tuple[int, str]] | None = None) -> CheckpointRef:
+def commit(
+    root: Path,
+    step: int,
+    *,
+    world_size: int,
+    training_hash: str,
+    extra: dict | None = None,
+    digests: dict[str, tuple[int, str]] | None = None,
+) -> CheckpointRef:
     """Seal ``step-<step>.partial``: write the manifest last, then rename atomically.
 
     Args:
@@ -146,8 +152,12 @@ def commit(root: Path, step: int, *, world_size: int, training_hash: str,
     for rel, digest in zip(unhashed, _digest_files([src / rel for rel in unhashed])):
         entries[rel][DIGEST] = digest
     manifest = {
-        "format": FORMAT, "step": step, "world_size": world_size,
-        "training_hash": training_hash, "created": time.time(), "files": entries,
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "training_hash": training_hash,
+        "created": time.time(),
+        "files": entries,
         **({"extra": extra} if extra else {}),
     }
     body = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -163,9 +173,14 @@ def commit(root: Path, step: int, *, world_size: int, training_hash: str,
         shutil.rmtree(dst)
     os.rename(src, dst)
     _fsync_dir(Path(root))
-    return CheckpointRef(step=step, path=str(dst), world_size=world_size,
-                         training_hash=training_hash, manifest_sha256=hashlib.sha256(body).hexdigest(),
-                         bytes=sum(meta["size"] for meta in entries.values()))
+    return CheckpointRef(
+        step=step,
+        path=str(dst),
+        world_size=world_size,
+        training_hash=training_hash,
+        manifest_sha256=hashlib.sha256(body).hexdigest(),
+        bytes=sum(meta["size"] for meta in entries.values()),
+    )
 
 
 def read_manifest(path: Path) -> dict | None:
@@ -185,8 +200,7 @@ def committed_bytes(path: Path) -> int:
     return sum(int(meta["size"]) for meta in files.values() if isinstance(meta, dict) and "size" in meta)
 
 
-def verify(path: Path, *, training_hash: str | None = None,
-           world_size: int | None = None) -> CheckpointRef | None:
+def verify(path: Path, *, training_hash: str | None = None, world_size: int | None = None) -> CheckpointRef | None:
     """Return a ``CheckpointRef`` if ``path`` is a complete, intact checkpoint, else None.
 
     The reason a checkpoint is rejected is logged as a warning.
@@ -197,12 +211,10 @@ def verify(path: Path, *, training_hash: str | None = None,
         log.warning("checkpoint %s skipped: no readable manifest", path)
         return None
     if training_hash is not None and manifest.get("training_hash") != training_hash:
-        log.warning("checkpoint %s skipped: training hash %s != %s", path,
-                    manifest.get("training_hash"), training_hash)
+        log.warning("checkpoint %s skipped: training hash %s != %s", path, manifest.get("training_hash"), training_hash)
         return None
     if world_size is not None and manifest.get("world_size") != world_size:
-        log.warning("checkpoint %s skipped: world size %s != %s", path,
-                    manifest.get("world_size"), world_size)
+        log.warning("checkpoint %s skipped: world size %s != %s", path, manifest.get("world_size"), world_size)
         return None
     files = manifest.get("files", {})
     for rel, meta in files.items():
@@ -211,8 +223,13 @@ def verify(path: Path, *, training_hash: str | None = None,
             log.warning("checkpoint %s skipped: file %s missing", path, rel)
             return None
         if f.stat().st_size != meta["size"]:
-            log.warning("checkpoint %s skipped: file %s has %d bytes, its manifest says %d", path, rel,
-                        f.stat().st_size, meta["size"])
+            log.warning(
+                "checkpoint %s skipped: file %s has %d bytes, its manifest says %d",
+                path,
+                rel,
+                f.stat().st_size,
+                meta["size"],
+            )
             return None
     try:
         recorded = {rel: entry_digest(meta) for rel, meta in files.items()}
@@ -226,10 +243,14 @@ def verify(path: Path, *, training_hash: str | None = None,
             return None
     total = sum(meta["size"] for meta in files.values())
     digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
-    return CheckpointRef(step=int(manifest["step"]), path=str(path),
-                         world_size=int(manifest["world_size"]),
-                         training_hash=str(manifest["training_hash"]),
-                         manifest_sha256=digest, bytes=total)
+    return CheckpointRef(
+        step=int(manifest["step"]),
+        path=str(path),
+        world_size=int(manifest["world_size"]),
+        training_hash=str(manifest["training_hash"]),
+        manifest_sha256=digest,
+        bytes=total,
+    )
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -241,8 +262,9 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def newest_verified(root: Path, *, training_hash: str | None = None,
-                    world_size: int | None = None) -> CheckpointRef | None:
+def newest_verified(
+    root: Path, *, training_hash: str | None = None, world_size: int | None = None
+) -> CheckpointRef | None:
     """The newest checkpoint under ``root`` that verifies; corrupt ones are skipped."""
     for _, path in list_checkpoints(root):
         ref = verify(path, training_hash=training_hash, world_size=world_size)

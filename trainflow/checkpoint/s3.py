@@ -66,13 +66,22 @@ class TransferSettings:
     def transfer_config(self):
         from boto3.s3.transfer import TransferConfig
 
-        return TransferConfig(multipart_threshold=self.multipart_threshold,
-                              multipart_chunksize=self.chunk_size, max_concurrency=self.concurrency,
-                              io_chunksize=self.io_chunk_size, use_threads=True)
+        return TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=self.chunk_size,
+            max_concurrency=self.concurrency,
+            io_chunksize=self.io_chunk_size,
+            use_threads=True,
+        )
 
 
-def client(*, endpoint_url: str | None = None, region_name: str | None = None,
-           settings: TransferSettings = TransferSettings(), **credentials: str):
+def client(
+    *,
+    endpoint_url: str | None = None,
+    region_name: str | None = None,
+    settings: TransferSettings = TransferSettings(),
+    **credentials: str,
+):
     """A boto3 S3 client with retries and a connection pool sized for the concurrency.
 
     ``credentials``: ``aws_access_key_id``/``aws_secret_access_key``/``aws_session_token``
@@ -85,14 +94,20 @@ def client(*, endpoint_url: str | None = None, region_name: str | None = None,
     unknown = set(credentials) - set(_SECRET_KEYS)
     if unknown:
         raise ValueError(f"unknown S3 client settings {sorted(unknown)}")
-    config = Config(retries={"mode": "standard", "max_attempts": settings.max_attempts},
-                    max_pool_connections=max(10, settings.concurrency * 2),
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                    s3={"addressing_style": "path"} if endpoint_url else None)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region_name or
-                                          os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-                                          config=config, **{k: v for k, v in credentials.items() if v})
+    config = Config(
+        retries={"mode": "standard", "max_attempts": settings.max_attempts},
+        max_pool_connections=max(10, settings.concurrency * 2),
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"} if endpoint_url else None,
+    )
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        config=config,
+        **{k: v for k, v in credentials.items() if v},
+    )
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -285,13 +300,25 @@ def _b64(hex_digest: str) -> str:
 class S3Store:
     """One run's checkpoints under ``s3://bucket/<prefix>/<tenant>/<dag>/<run>/``."""
 
-    def __init__(self, s3, bucket: str, prefix: str, *, tenant: str, dag_id: str, run_id: str,
-                 settings: TransferSettings = TransferSettings()) -> None:
+    def __init__(
+        self,
+        s3,
+        bucket: str,
+        prefix: str,
+        *,
+        tenant: str,
+        dag_id: str,
+        run_id: str,
+        settings: TransferSettings = TransferSettings(),
+    ) -> None:
         parts = [p for p in prefix.split("/") if p]
         if any(p in (".", "..") for p in parts):
             raise CheckpointError(f"S3 prefix {prefix!r} must not contain '.' or '..'")
-        names = [check_name("tenant", tenant, TENANT_PATTERN), check_name("dag_id", dag_id, DAG_ID_PATTERN),
-                 check_name("run_id", run_id, RUN_ID_PATTERN)]
+        names = [
+            check_name("tenant", tenant, TENANT_PATTERN),
+            check_name("dag_id", dag_id, DAG_ID_PATTERN),
+            check_name("run_id", run_id, RUN_ID_PATTERN),
+        ]
         self.s3, self.bucket, self.settings = s3, bucket, settings
         self.root = "/".join(parts + names)
 
@@ -305,9 +332,11 @@ class S3Store:
     def _listed(self, step: int) -> dict[str, dict]:
         """The objects stored under step ``step``: relative name → its listing (Size, ETag)."""
         prefix = self._key(step) + "/"
-        return {o["Key"][len(prefix):]: o
-                for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-                for o in page.get("Contents", [])}
+        return {
+            o["Key"][len(prefix) :]: o
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+        }
 
     def _manager(self):
         from boto3.s3.transfer import create_transfer_manager
@@ -321,7 +350,7 @@ class S3Store:
         paginator = self.s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.root + "/step-"):
             for obj in page.get("Contents", []):
-                name, _, rest = obj["Key"][len(self.root) + 1:].partition("/")
+                name, _, rest = obj["Key"][len(self.root) + 1 :].partition("/")
                 if rest == manifest.MANIFEST and name[5:].isdigit():
                     found.add(int(name[5:]))
         return sorted(found, reverse=True)
@@ -348,14 +377,21 @@ class S3Store:
         try:
             existing = self.s3.get_object(Bucket=self.bucket, Key=self._key(ref.step, manifest.MANIFEST))
             if existing["Body"].read() == body:
-                return {"step": ref.step, "uri": self.uri + f"/step-{ref.step:08d}", "bytes": ref.bytes,
-                        "seconds": 0.0, "skipped": True}
+                return {
+                    "step": ref.step,
+                    "uri": self.uri + f"/step-{ref.step:08d}",
+                    "bytes": ref.bytes,
+                    "seconds": 0.0,
+                    "skipped": True,
+                }
         except self.s3.exceptions.NoSuchKey:
             pass
         data = json.loads(body)
         if data.get("training_hash") != ref.training_hash:
-            raise CheckpointError(f"{local}: its manifest's training hash {data.get('training_hash')} is not "
-                                  f"{ref.training_hash}; not uploading it")
+            raise CheckpointError(
+                f"{local}: its manifest's training hash {data.get('training_hash')} is not "
+                f"{ref.training_hash}; not uploading it"
+            )
         files = data["files"]
         t0 = time.perf_counter()
         sources: dict[str, _HashingSource] = {}
@@ -365,8 +401,14 @@ class S3Store:
                 for rel in sorted(files):
                     _check_path(rel, str(local))
                     sources[rel] = _HashingSource(local / rel, manifest.entry_digest(files[rel])[0])
-                    futures.append(tm.upload(sources[rel], self.bucket, self._key(ref.step, rel),
-                                             extra_args=self._checksum_args(files[rel])))
+                    futures.append(
+                        tm.upload(
+                            sources[rel],
+                            self.bucket,
+                            self._key(ref.step, rel),
+                            extra_args=self._checksum_args(files[rel]),
+                        )
+                    )
                 for f in futures:
                     f.result()
         except OSError as exc:
@@ -381,13 +423,24 @@ class S3Store:
             elif source.hash.hexdigest() != manifest.entry_digest(files[rel])[1]:
                 bad.append(f"{rel} (digest differs)")
         if bad:
-            raise CheckpointError(f"{local} does not match its manifest: {', '.join(bad[:5])}; "
-                                  f"the manifest of step {ref.step} was not uploaded")
+            raise CheckpointError(
+                f"{local} does not match its manifest: {', '.join(bad[:5])}; "
+                f"the manifest of step {ref.step} was not uploaded"
+            )
         self._check_uploaded(ref.step, files)
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(ref.step, manifest.MANIFEST), Body=body,
-                           ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()))
-        return {"step": ref.step, "uri": self.uri + f"/step-{ref.step:08d}", "bytes": ref.bytes,
-                "seconds": time.perf_counter() - t0, "skipped": False}
+        self.s3.put_object(
+            Bucket=self.bucket,
+            Key=self._key(ref.step, manifest.MANIFEST),
+            Body=body,
+            ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()),
+        )
+        return {
+            "step": ref.step,
+            "uri": self.uri + f"/step-{ref.step:08d}",
+            "bytes": ref.bytes,
+            "seconds": time.perf_counter() - t0,
+            "skipped": False,
+        }
 
     def _checksum_args(self, meta: Mapping[str, Any]) -> dict[str, str]:
         """Every object carries a CRC32C (per part for a multipart upload; ``part_checksum``),
@@ -409,11 +462,13 @@ class S3Store:
             if digest and "-" not in digest and "sha256" in meta and digest != _b64(meta["sha256"]):
                 return f"{rel}: SHA-256 in the store differs from the manifest"
             return None
+
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
             problems = [p for p in pool.map(head, sorted(files)) if p]
         if problems:
-            raise CheckpointError(f"upload of step {step} to {self.uri} does not match its manifest: "
-                                  + "; ".join(problems[:5]))
+            raise CheckpointError(
+                f"upload of step {step} to {self.uri} does not match its manifest: " + "; ".join(problems[:5])
+            )
 
     # -- download ---------------------------------------------------------------------
     def download(self, step: int, dest_root: Path, *, training_hash: str | None = None) -> manifest.CheckpointRef:
@@ -433,7 +488,8 @@ class S3Store:
         files = json.loads(body)["files"]
         # Private to this download: nodes of a gang may share ``dest_root`` and have equal pids.
         tmp = manifest.partial_dir(dest_root, step).with_name(
-            f"step-{step:08d}.download-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            f"step-{step:08d}.download-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
         tmp.mkdir(parents=True)
         try:
             # One listing: a file missing from the store, or of another size than its
@@ -444,23 +500,35 @@ class S3Store:
                 _check_path(rel, f"step {step}")
                 if rel not in stored or stored[rel]["Size"] != files[rel]["size"]:
                     raise CheckpointError(
-                        f"step {step} in {self.uri}: {rel} is " + ("missing" if rel not in stored else
-                                                                  f"{stored[rel]['Size']} bytes, not {files[rel]['size']}")
-                        + " as its manifest records")
+                        f"step {step} in {self.uri}: {rel} is "
+                        + ("missing" if rel not in stored else f"{stored[rel]['Size']} bytes, not {files[rel]['size']}")
+                        + " as its manifest records"
+                    )
             digests = self._fetch(step, files, tmp)
-            bad = [rel for rel, (digest, size) in digests.items()
-                   if digest != manifest.entry_digest(files[rel])[1] or size != files[rel]["size"]]
+            bad = [
+                rel
+                for rel, (digest, size) in digests.items()
+                if digest != manifest.entry_digest(files[rel])[1] or size != files[rel]["size"]
+            ]
             if bad:
-                raise CheckpointError(f"step {step} downloaded from {self.uri} does not verify against "
-                                      f"its manifest: {', '.join(sorted(bad)[:5])}")
+                raise CheckpointError(
+                    f"step {step} downloaded from {self.uri} does not verify against "
+                    f"its manifest: {', '.join(sorted(bad)[:5])}"
+                )
             (tmp / manifest.MANIFEST).write_bytes(body)
-            ref = manifest.CheckpointRef(step=step, path=str(dest), world_size=int(json.loads(body)["world_size"]),
-                                         training_hash=str(json.loads(body)["training_hash"]),
-                                         manifest_sha256=hashlib.sha256(body).hexdigest(),
-                                         bytes=sum(int(m["size"]) for m in files.values()))
+            ref = manifest.CheckpointRef(
+                step=step,
+                path=str(dest),
+                world_size=int(json.loads(body)["world_size"]),
+                training_hash=str(json.loads(body)["training_hash"]),
+                manifest_sha256=hashlib.sha256(body).hexdigest(),
+                bytes=sum(int(m["size"]) for m in files.values()),
+            )
             if training_hash is not None and ref.training_hash != training_hash:
-                raise CheckpointError(f"step {step} in {self.uri} belongs to another training "
-                                      f"(hash {ref.training_hash}, not {training_hash})")
+                raise CheckpointError(
+                    f"step {step} in {self.uri} belongs to another training "
+                    f"(hash {ref.training_hash}, not {training_hash})"
+                )
             if dest.exists():
                 shutil.rmtree(dest, ignore_errors=True)
             try:
@@ -485,8 +553,9 @@ class S3Store:
                 pending = []
                 for i, rel in enumerate(sorted(files)):
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    sinks[rel] = _HashingSink(tmp / rel, manifest.entry_digest(files[rel])[0], files[rel]["size"],
-                                              hashers[i % len(hashers)])
+                    sinks[rel] = _HashingSink(
+                        tmp / rel, manifest.entry_digest(files[rel])[0], files[rel]["size"], hashers[i % len(hashers)]
+                    )
                     pending.append(tm.download(self.bucket, self._key(step, rel), sinks[rel]))
                 for fut in pending:
                     fut.result()
@@ -497,8 +566,9 @@ class S3Store:
             for pool in hashers:
                 pool.shutdown(wait=True)
 
-    def newest(self, dest_root: Path, *, training_hash: str | None = None,
-               world_size: int | None = None) -> manifest.CheckpointRef | None:
+    def newest(
+        self, dest_root: Path, *, training_hash: str | None = None, world_size: int | None = None
+    ) -> manifest.CheckpointRef | None:
         """Download and return the newest store checkpoint that verifies (and fits
         ``training_hash``/``world_size``); older ones are tried when a newer one fails."""
         for step in self.steps():
@@ -524,6 +594,7 @@ class S3Store:
             self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, manifest.MANIFEST))
             keys = [o["Key"] for o in self._listed(step).values()]
             for i in range(0, len(keys), 1000):
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
-                                                                   "Quiet": True})
+                self.s3.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+                )
         return doomed

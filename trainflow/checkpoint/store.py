@@ -35,8 +35,9 @@ class FileStore:
         out = publish(ref, self.root, keep_last)
         return {"step": out.step, "uri": Path(out.path).as_uri(), "bytes": out.bytes}
 
-    def fetch_newest(self, dest_root: Path, *, training_hash: str | None = None,
-                     world_size: int | None = None) -> manifest.CheckpointRef | None:
+    def fetch_newest(
+        self, dest_root: Path, *, training_hash: str | None = None, world_size: int | None = None
+    ) -> manifest.CheckpointRef | None:
         ref = manifest.newest_verified(self.root, training_hash=training_hash, world_size=world_size)
         return publish(ref, Path(dest_root), keep_last=10**6) if ref is not None else None
 
@@ -59,8 +60,9 @@ class S3Tier:
         self.store.prune(keep_last)
         return done
 
-    def fetch_newest(self, dest_root: Path, *, training_hash: str | None = None,
-                     world_size: int | None = None) -> manifest.CheckpointRef | None:
+    def fetch_newest(
+        self, dest_root: Path, *, training_hash: str | None = None, world_size: int | None = None
+    ) -> manifest.CheckpointRef | None:
         return self.store.newest(dest_root, training_hash=training_hash, world_size=world_size)
 
 
@@ -77,13 +79,13 @@ def open_store(store_uri: str, tenant: str, dag_id: str, run_id: str, *, s3_clie
         from trainflow.checkpoint import s3
 
         bucket, prefix = s3.parse_uri(store_uri)
-        return S3Tier(s3.S3Store(s3_client or s3.client(), bucket, prefix, tenant=tenant, dag_id=dag_id,
-                                 run_id=run_id))
+        return S3Tier(s3.S3Store(s3_client or s3.client(), bucket, prefix, tenant=tenant, dag_id=dag_id, run_id=run_id))
     return FileStore(durable_root(store_uri, tenant, dag_id, run_id))
 
 
-def hydrate(run_dir: Path, store, *, training_hash: str | None = None,
-            world_size: int | None = None) -> manifest.CheckpointRef | None:
+def hydrate(
+    run_dir: Path, store, *, training_hash: str | None = None, world_size: int | None = None
+) -> manifest.CheckpointRef | None:
     """Bring the store's newest verified checkpoint into the workspace when it is newer
     than the newest local one (the local copy was lost with its host); returns the
     checkpoint a resume will use, or None."""
@@ -100,8 +102,9 @@ def hydrate(run_dir: Path, store, *, training_hash: str | None = None,
         return _hydrate(local_root, store, training_hash, world_size)
 
 
-def _hydrate(local_root: Path, store, training_hash: str | None,
-             world_size: int | None) -> manifest.CheckpointRef | None:
+def _hydrate(
+    local_root: Path, store, training_hash: str | None, world_size: int | None
+) -> manifest.CheckpointRef | None:
     local = manifest.newest_verified(local_root, training_hash=training_hash, world_size=world_size)
     remote_steps = store.steps()
     if not remote_steps or (local is not None and local.step >= max(remote_steps)):
@@ -126,8 +129,9 @@ class BackgroundPublisher:
         keep_last: checkpoints the store keeps.
     """
 
-    def __init__(self, run_dir: Path, store, *, training_hash: str | None, world_size: int | None,
-                 keep_last: int, log=None) -> None:
+    def __init__(
+        self, run_dir: Path, store, *, training_hash: str | None, world_size: int | None, keep_last: int, log=None
+    ) -> None:
         import logging
 
         self.root = Path(run_dir) / "checkpoints"
@@ -153,8 +157,7 @@ class BackgroundPublisher:
 
     def _publish(self) -> None:
         try:
-            ref = manifest.newest_verified(self.root, training_hash=self.training_hash,
-                                           world_size=self.world_size)
+            ref = manifest.newest_verified(self.root, training_hash=self.training_hash, world_size=self.world_size)
             if ref is None or ref.step <= self._last:
                 return
             if ref.step not in self.store.steps():
@@ -164,8 +167,7 @@ class BackgroundPublisher:
             self._last = ref.step
         except Exception as exc:  # noqa: BLE001 - an upload is retried at the next poll
             self._seen = self._last
-            self.log.warning("checkpoint upload failed, retried at the next poll: %s: %s",
-                             type(exc).__name__, exc)
+            self.log.warning("checkpoint upload failed, retried at the next poll: %s: %s", type(exc).__name__, exc)
 
     def close(self, timeout: float = 300.0) -> None:
         """Wait for the upload in flight (if any)."""
@@ -182,8 +184,9 @@ def durable_root(store_uri: str, tenant: str, dag_id: str, run_id: str) -> Path 
     except ValueError as exc:  # e.g. an unbalanced '[' (urllib reads it as an IPv6 host)
         raise CheckpointError(f"unsupported checkpoint store {store_uri!r}: {exc}") from exc
     if parsed.scheme != "file" or not parsed.path.startswith("/") or "\x00" in parsed.path:
-        raise CheckpointError(f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir "
-                              f"or s3://bucket/prefix")
+        raise CheckpointError(
+            f"unsupported checkpoint store {store_uri!r}; use file:///absolute/dir or s3://bucket/prefix"
+        )
     # Workspace checks every component, so the run cannot escape its prefix.
     return Workspace(Path(parsed.path), tenant, dag_id, run_id).dir / "checkpoints"
 

@@ -112,8 +112,7 @@ print(json.dumps(out))
 def probe_torch(*, python: str = sys.executable, timeout: float = 60.0) -> dict:
     """Ask torch in a subprocess what it sees (NVML-based checks: no CUDA context)."""
     env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    done = subprocess.run([python, "-c", _TORCH_PROBE], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    done = subprocess.run([python, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout).strip()[-300:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -132,9 +131,15 @@ def by_torch(probe: Mapping) -> str | None:
     return None
 
 
-def detect(*, explicit: str | None = None, queue: str | None = None,
-           env: Mapping[str, str] | None = None, sysfs: str | Path = "/sys",
-           dev: str | Path = "/dev", torch_probe=probe_torch) -> Detection:
+def detect(
+    *,
+    explicit: str | None = None,
+    queue: str | None = None,
+    env: Mapping[str, str] | None = None,
+    sysfs: str | Path = "/sys",
+    dev: str | Path = "/dev",
+    torch_probe=probe_torch,
+) -> Detection:
     """Detect this host's chip family; see the module doc for the order.
 
     Args:
@@ -154,8 +159,10 @@ def detect(*, explicit: str | None = None, queue: str | None = None,
     if queue:
         name = family_of_queue(queue)
         if name is None:
-            raise ValueError(f"queue {queue!r} names no chip family; queues are <family>-<model> "
-                             f"(families: {', '.join(sorted(FAMILIES))}) or cpu")
+            raise ValueError(
+                f"queue {queue!r} names no chip family; queues are <family>-<model> "
+                f"(families: {', '.join(sorted(FAMILIES))}) or cpu"
+            )
         return Detection(name, "spec", f"this worker serves queue {queue!r}")
     if env.get("TRAINFLOW_CHIP"):
         name = get_family(env["TRAINFLOW_CHIP"]).name
@@ -169,27 +176,48 @@ def detect(*, explicit: str | None = None, queue: str | None = None,
         present = [n for n in installed if n in pci or n in nodes]
         name = (present or installed)[0]
         fam = get_family(name, env)
-        return Detection(name, "extension", f"{fam.extension} is installed"
-                         + (f" (also installed: {', '.join(n for n in installed if n != name)})"
-                            if len(installed) > 1 else ""),
-                         devices=pci.get(name) or nodes.get(name), also_seen=seen)
+        return Detection(
+            name,
+            "extension",
+            f"{fam.extension} is installed"
+            + (f" (also installed: {', '.join(n for n in installed if n != name)})" if len(installed) > 1 else ""),
+            devices=pci.get(name) or nodes.get(name),
+            also_seen=seen,
+        )
     if pci:
         name = max(pci, key=lambda n: (pci[n], n))
-        return Detection(name, "pci", f"{pci[name]} compute device(s) of PCI vendor "
-                         f"{'/'.join(FAMILIES[name].pci_vendor_ids)}", devices=pci[name], also_seen=seen)
+        return Detection(
+            name,
+            "pci",
+            f"{pci[name]} compute device(s) of PCI vendor {'/'.join(FAMILIES[name].pci_vendor_ids)}",
+            devices=pci[name],
+            also_seen=seen,
+        )
     if nodes:
         name = max(nodes, key=lambda n: (nodes[n], n))
-        return Detection(name, "devnodes", f"{nodes[name]} device node(s) /dev/{FAMILIES[name].dev_globs[0]}",
-                         devices=nodes[name], also_seen=seen)
+        return Detection(
+            name,
+            "devnodes",
+            f"{nodes[name]} device node(s) /dev/{FAMILIES[name].dev_globs[0]}",
+            devices=nodes[name],
+            also_seen=seen,
+        )
     if torch_probe is not None:
         probe = torch_probe()
         name = by_torch(probe)
         if name is not None:
             count = probe.get("xpu") if name == "intel-xpu" else probe.get("cuda")
-            return Detection(name, "torch", f"torch sees {count} device(s)"
-                             + (f" (HIP {probe['hip']})" if probe.get("hip") else ""), devices=count)
-    return Detection("cpu", "none", "no accelerator found: no vendor extension, no compute PCI device, "
-                     "no device node, torch sees none")
+            return Detection(
+                name,
+                "torch",
+                f"torch sees {count} device(s)" + (f" (HIP {probe['hip']})" if probe.get("hip") else ""),
+                devices=count,
+            )
+    return Detection(
+        "cpu",
+        "none",
+        "no accelerator found: no vendor extension, no compute PCI device, no device node, torch sees none",
+    )
 
 
 def family(detection: Detection, env: Mapping[str, str] | None = None) -> ChipFamily:

@@ -30,8 +30,14 @@ class Probe:
     missing: bool = False  # the command is not installed (a host setup error, not a chip fault)
 
 
-def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float = 30.0,
-            runner: Callable[..., Any] = subprocess.run, field_name: str = "inventory_cmd") -> Probe:
+def run_cli(
+    family: ChipFamily,
+    cmd: tuple[str, ...] | None,
+    *,
+    timeout: float = 30.0,
+    runner: Callable[..., Any] = subprocess.run,
+    field_name: str = "inventory_cmd",
+) -> Probe:
     """Run a vendor command in a subprocess and parse its output with the family's parser:
     healthy when it exits 0 and, where its output parses, lists devices, none unhealthy.
     ``field_name`` names the registry field whose override the not-found message suggests."""
@@ -41,8 +47,12 @@ def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float =
     try:
         done = runner(list(cmd), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
-        return Probe(text, False, f"{cmd[0]!r} not found; install the vendor tools or set "
-                     f"{env_key(family.name, field_name)}", missing=True)
+        return Probe(
+            text,
+            False,
+            f"{cmd[0]!r} not found; install the vendor tools or set {env_key(family.name, field_name)}",
+            missing=True,
+        )
     except subprocess.TimeoutExpired:
         return Probe(text, False, f"did not answer in {timeout:g}s")
     if done.returncode != 0:
@@ -56,8 +66,9 @@ def run_cli(family: ChipFamily, cmd: tuple[str, ...] | None, *, timeout: float =
     if not devices:
         return Probe(text, False, "lists no devices", parsed=True)
     if sick:
-        return Probe(text, False, "unhealthy devices " + ", ".join(f"{d.index} ({d.detail})" for d in sick),
-                     devices, parsed=True)
+        return Probe(
+            text, False, "unhealthy devices " + ", ".join(f"{d.index} ({d.detail})" for d in sick), devices, parsed=True
+        )
     return Probe(text, True, f"{len(devices)} device(s)", devices, parsed=True)
 
 
@@ -65,20 +76,29 @@ def worker_command(queues: list[str], *, concurrency: int = 1) -> str:
     """The command that registers this host and runs its Celery worker for ``queues`` (one
     node task at a time per host: a node task owns the host's chips); ``trainflow worker``
     execs ``airflow celery worker --queues … --concurrency …`` after registering."""
-    return (f"trainflow worker --queues {','.join(queues)} --concurrency {concurrency}")
+    return f"trainflow worker --queues {','.join(queues)} --concurrency {concurrency}"
 
 
-def examine(*, explicit: str | None = None, queue: str | None = None, model: str | None = None,
-            env: Mapping[str, str] | None = None, runner: Callable[..., Any] = subprocess.run,
-            detector: Callable[..., Detection] = detect) -> dict[str, Any]:
+def examine(
+    *,
+    explicit: str | None = None,
+    queue: str | None = None,
+    model: str | None = None,
+    env: Mapping[str, str] | None = None,
+    runner: Callable[..., Any] = subprocess.run,
+    detector: Callable[..., Detection] = detect,
+) -> dict[str, Any]:
     """The doctor's report (a dict) and whether the host is healthy (``report["healthy"]``)."""
     found = detector(explicit=explicit, queue=queue, env=env)
     family = get_family(found.family, env)
     if queue and model is None and "-" in queue:
-        model = queue[len(family.name) + 1:]
+        model = queue[len(family.name) + 1 :]
     inventory = run_cli(family, family.inventory_cmd, runner=runner)
-    health = (inventory if family.health_cmd == family.inventory_cmd
-              else run_cli(family, family.health_cmd, runner=runner, field_name="health_cmd"))
+    health = (
+        inventory
+        if family.health_cmd == family.inventory_cmd
+        else run_cli(family, family.health_cmd, runner=runner, field_name="health_cmd")
+    )
     count = len(inventory.devices) if inventory.parsed else found.devices
     q = queue_for(family.name, model)
     healthy = health.ok and inventory.ok and (not family.has_devices or bool(count))
@@ -108,8 +128,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"chip family : {report['family']} ({report['title']}), detected by {report['detected_by']}: "
         f"{report['evidence']}",
         f"devices     : {report['devices'] if report['devices'] is not None else 'unknown'}"
-        + "".join(f"\n  [{d['index']}] {d['name'] or ''} {d['bus_id'] or ''} {d['detail']}".rstrip()
-                  for d in report["device_list"]),
+        + "".join(
+            f"\n  [{d['index']}] {d['name'] or ''} {d['bus_id'] or ''} {d['detail']}".rstrip()
+            for d in report["device_list"]
+        ),
         f"inventory   : {report['inventory']['command'] or '-'}: {report['inventory']['detail']}",
         f"health      : {report['health']['command'] or '-'}: {report['health']['detail']}",
         f"torch       : device {report['device_type']}, backend {report['backend']}"

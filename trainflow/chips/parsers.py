@@ -86,8 +86,15 @@ def npu_smi(text: str) -> list[Device]:
     for rows in _table(text, "npu-smi info"):
         index, name = _first(rows[0][0])
         health = rows[0][1] if len(rows[0]) > 1 else ""
-        out.append(Device(index, name=name or None, bus_id=_bus(rows[1][1]) if len(rows) > 1 else None,
-                          healthy=health == "OK", detail=f"Health {health}"))
+        out.append(
+            Device(
+                index,
+                name=name or None,
+                bus_id=_bus(rows[1][1]) if len(rows) > 1 else None,
+                healthy=health == "OK",
+                detail=f"Health {health}",
+            )
+        )
     return out
 
 
@@ -142,7 +149,7 @@ def hy_smi(text: str) -> list[Device]:
         raise ParseError("not hy-smi output (no 'DCU' header)") from None
     header = lines[start].split()
     out = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         words = line.split()
         if not words or not words[0].isdigit():
             break
@@ -189,8 +196,14 @@ def hl_smi_csv(text: str) -> list[Device]:
     out = []
     for line in lines[1:]:
         row = dict(zip(header, (c.strip() for c in line.split(","))))
-        out.append(Device(int(row["index"]), name=row.get("name"), bus_id=row.get("bus_id"),
-                          detail=f"module_id {row['module_id']}" if "module_id" in row else ""))
+        out.append(
+            Device(
+                int(row["index"]),
+                name=row.get("name"),
+                bus_id=row.get("bus_id"),
+                detail=f"module_id {row['module_id']}" if "module_id" in row else "",
+            )
+        )
     return out
 
 
@@ -200,9 +213,11 @@ def xpu_smi_json(text: str) -> list[Device]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ParseError(f"not xpu-smi discovery -j output: {exc}") from None
-    return [Device(int(d["device_id"]), name=d.get("device_name"), bus_id=d.get("pci_bdf_address"),
-                   uuid=d.get("uuid"))
-            for d in data.get("device_list", []) if d.get("device_function_type", "physical") == "physical"]
+    return [
+        Device(int(d["device_id"]), name=d.get("device_name"), bus_id=d.get("pci_bdf_address"), uuid=d.get("uuid"))
+        for d in data.get("device_list", [])
+        if d.get("device_function_type", "physical") == "physical"
+    ]
 
 
 def brsmi(text: str) -> list[Device]:

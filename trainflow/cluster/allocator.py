@@ -71,9 +71,11 @@ CREATE TABLE IF NOT EXISTS inventory (
 );
 """
 # Columns added to a table after its first release: (table, column, declaration).
-ADDED_COLUMNS = (("inventory", "pool", "TEXT NOT NULL DEFAULT ''"),
-                 ("inventory", "model", "TEXT NOT NULL DEFAULT ''"),
-                 ("inventory", "labels", "TEXT NOT NULL DEFAULT '{}'"))
+ADDED_COLUMNS = (
+    ("inventory", "pool", "TEXT NOT NULL DEFAULT ''"),
+    ("inventory", "model", "TEXT NOT NULL DEFAULT ''"),
+    ("inventory", "labels", "TEXT NOT NULL DEFAULT '{}'"),
+)
 # A waiting request its requester stopped renewing for this long is dropped (the requester
 # is gone: a deferred provision renews every few seconds; release withdraws it at once).
 STALE_WAIT_S = 120.0
@@ -90,9 +92,17 @@ def _rack(labels: str | None) -> str | None:
     return json.loads(labels or "{}").get("rack")
 
 
-def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas: dict[str, int] | None = None,
-                preemptible: dict[str, tuple[int, float]] | None = None, policy: str = "priority",
-                estimates: dict[str, float] | None = None):
+def _admissions(
+    capacity: int,
+    offline: int,
+    leases,
+    waiting,
+    now: float,
+    quotas: dict[str, int] | None = None,
+    preemptible: dict[str, tuple[int, float]] | None = None,
+    policy: str = "priority",
+    estimates: dict[str, float] | None = None,
+):
     """Which waiting runs start now, by ``trainflow.sched.decide`` over the pool's nodes (a
     node is a 1-chip node of the model; leases and offline nodes occupy the first nodes).
 
@@ -120,21 +130,38 @@ def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas
         if held:
             prio, submitted = preemptible.get(key, (unpreemptible, granted))
             est = estimates.get(key)
-            req = model.Request(id=key, nodes=held, chips_per_node=1, tenant=tenant, priority=prio,
-                                submitted=submitted, preemptible=key in preemptible,
-                                estimate=None if est is None else max(est, now - granted + 1.0))
+            req = model.Request(
+                id=key,
+                nodes=held,
+                chips_per_node=1,
+                tenant=tenant,
+                priority=prio,
+                submitted=submitted,
+                preemptible=key in preemptible,
+                estimate=None if est is None else max(est, now - granted + 1.0),
+            )
             running.append(model.Running(request=req, placement=tuple(range(used, used + held)), started=granted))
         used += held
     if offline:
-        req = model.Request(id="\x00offline", nodes=offline, chips_per_node=1, priority=unpreemptible,
-                            submitted=now, preemptible=False)
+        req = model.Request(
+            id="\x00offline", nodes=offline, chips_per_node=1, priority=unpreemptible, submitted=now, preemptible=False
+        )
         running.append(model.Running(request=req, placement=tuple(range(used, used + offline)), started=now))
-    queue = [model.Request(id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub,
-                           estimate=estimates.get(key))
-             for key, tenant, n, prio, sub in waiting]
+    queue = [
+        model.Request(
+            id=key, nodes=n, chips_per_node=1, tenant=tenant, priority=prio, submitted=sub, estimate=estimates.get(key)
+        )
+        for key, tenant, n, prio, sub in waiting
+    ]
     policy = "fairshare" if quotas else policy
-    decision = decide(policy, pool=model.Pool.uniform(capacity, chips=1), running=running,
-                      waiting=queue, now=now, quotas=quotas or None)
+    decision = decide(
+        policy,
+        pool=model.Pool.uniform(capacity, chips=1),
+        running=running,
+        waiting=queue,
+        now=now,
+        quotas=quotas or None,
+    )
     free = capacity - offline - used
     victims = {p.running.request.id: p.reason for p in decision.preempt}
     preempt: dict[str, tuple[str, str]] = {}
@@ -164,26 +191,36 @@ def _admissions(capacity: int, offline: int, leases, waiting, now: float, quotas
         need = f"needs {r.nodes} node{'s' * (r.nodes != 1)}, {max(left, 0)} of {capacity} free: "
         if after.get(r.id):
             names = ", ".join(repr(v) for v in after[r.id])
-            why[r.id] = (i + 1, need + f"preempting {names} ({victims[after[r.id][0]]}); it starts once "
-                                       f"they have checkpointed and given their nodes back")
+            why[r.id] = (
+                i + 1,
+                need + f"preempting {names} ({victims[after[r.id][0]]}); it starts once "
+                f"they have checkpointed and given their nodes back",
+            )
         elif within:
-            why[r.id] = (i + 1, need + f"tenant {r.tenant!r} is within its quota of {quotas.get(r.tenant, 0)}; "
-                                       f"nodes lent to tenants over theirs return when their runs end")
+            why[r.id] = (
+                i + 1,
+                need + f"tenant {r.tenant!r} is within its quota of {quotas.get(r.tenant, 0)}; "
+                f"nodes lent to tenants over theirs return when their runs end",
+            )
         else:
             why[r.id] = (i + 1, need + "a run within its tenant's quota waits first (no lending meanwhile)")
     for w in decision.waiting:  # positions count from 0 there
         n, t = w.request.nodes, w.request.tenant
         share = ""
         if quotas and usage.get(t, 0) + n <= quotas.get(t, 0):
-            share = (f"; tenant {t!r} is within its quota of {quotas.get(t, 0)}: nodes lent to tenants over "
-                     f"theirs return when their runs end (runs that are not preemptible keep their nodes)")
+            share = (
+                f"; tenant {t!r} is within its quota of {quotas.get(t, 0)}: nodes lent to tenants over "
+                f"theirs return when their runs end (runs that are not preemptible keep their nodes)"
+            )
         elif quotas:
             share = f"; tenant {t!r}: quota {quotas.get(t, 0)} node(s)"
         ahead = len(start) + len(held_back) + w.position
-        why[w.request.id] = (ahead + 1,
-                             f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
-                             + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else "")
-                             + share)
+        why[w.request.id] = (
+            ahead + 1,
+            f"needs {n} node{'s' * (n != 1)}, {max(free, 0)} of {capacity} free"
+            + (f", {ahead} earlier request{'s' * (ahead != 1)} ahead" if ahead else "")
+            + share,
+        )
     return start, why, preempt
 
 
@@ -276,20 +313,27 @@ class Allocator(StateDB):
             SpecError: an unknown policy.
         """
         if policy is not None and policy not in POOL_POLICIES:
-            raise SpecError("policy", policy, f"choose one of {', '.join(POOL_POLICIES)} (a pool with tenant "
-                                              f"quotas admits by fair share)")
+            raise SpecError(
+                "policy",
+                policy,
+                f"choose one of {', '.join(POOL_POLICIES)} (a pool with tenant quotas admits by fair share)",
+            )
         with closing(self._connect()) as con:
-            con.execute("INSERT INTO pools VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET nodes=excluded.nodes",
-                        (name, nodes))
+            con.execute(
+                "INSERT INTO pools VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET nodes=excluded.nodes", (name, nodes)
+            )
             if policy is not None:
-                con.execute("INSERT INTO pool_policies VALUES (?, ?) ON CONFLICT(pool) DO UPDATE SET "
-                            "policy=excluded.policy", (name, policy))
+                con.execute(
+                    "INSERT INTO pool_policies VALUES (?, ?) ON CONFLICT(pool) DO UPDATE SET policy=excluded.policy",
+                    (name, policy),
+                )
 
     def pools(self) -> dict[str, int]:
         """Every pool (sized by ``set_pool`` or by its registered hosts) and its size in nodes."""
         with closing(self._connect()) as con:
-            names = {r[0] for r in con.execute("SELECT name FROM pools")} \
-                | {r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")}
+            names = {r[0] for r in con.execute("SELECT name FROM pools")} | {
+                r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")
+            }
             return {name: self._capacity(con, name) for name in sorted(names)}
 
     def capacity(self, pool: str) -> int:
@@ -318,8 +362,9 @@ class Allocator(StateDB):
         newest completed runs of the same ``scope`` (their median seconds per step); None
         without history."""
         with closing(self._connect()) as con:
-            rows = con.execute("SELECT seconds, steps FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT ?",
-                               (scope, HISTORY_USE)).fetchall()
+            rows = con.execute(
+                "SELECT seconds, steps FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT ?", (scope, HISTORY_USE)
+            ).fetchall()
         if not rows:
             return None
         import statistics
@@ -342,17 +387,30 @@ class Allocator(StateDB):
                 return
             if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
                 raise SpecError("quota", nodes, "a whole number of nodes, 0 or more")
-            con.execute("INSERT INTO quotas VALUES (?, ?, ?) ON CONFLICT(pool, tenant) DO UPDATE SET "
-                        "nodes=excluded.nodes", (pool, tenant, nodes))
+            con.execute(
+                "INSERT INTO quotas VALUES (?, ?, ?) ON CONFLICT(pool, tenant) DO UPDATE SET nodes=excluded.nodes",
+                (pool, tenant, nodes),
+            )
 
     def quotas(self, pool: str) -> dict[str, int]:
         """The pool's quotas, tenant → nodes (empty: admission by priority, no shares)."""
         with closing(self._connect()) as con:
-            return dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=? ORDER BY tenant",
-                                    (pool,)).fetchall())
+            return dict(
+                con.execute("SELECT tenant, nodes FROM quotas WHERE pool=? ORDER BY tenant", (pool,)).fetchall()
+            )
 
-    def admit(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
-              up_to: int | None = None, chips: int = 1, now: float | None = None) -> Lease:
+    def admit(
+        self,
+        run_key: str,
+        *,
+        tenant: str,
+        pool: str,
+        nodes: int,
+        ttl: float,
+        up_to: int | None = None,
+        chips: int = 1,
+        now: float | None = None,
+    ) -> Lease:
         """Grant ``nodes`` of ``pool`` to ``run_key`` all-or-nothing (idempotent per run);
         with ``up_to``, as many more as are free, up to ``up_to`` in all (an elastic gang).
         In a pool of registered hosts, the nodes are hosts with ``chips`` chips or more,
@@ -370,16 +428,16 @@ class Allocator(StateDB):
             if mine is None:
                 free = capacity - self._offline(con, pool, now) - self._used(con, pool)
                 if free < nodes:
-                    raise AdmissionError(f"pool {pool!r}: {nodes} nodes asked, {max(free, 0)} of "
-                                         f"{capacity} free")
+                    raise AdmissionError(f"pool {pool!r}: {nodes} nodes asked, {max(free, 0)} of {capacity} free")
                 granted = min(free, up_to)
                 hosts = None
                 if self._host_pool(con, pool):
                     granted, hosts = self._place_gang(con, pool, nodes, granted, chips)
                     if hosts is None:
                         raise AdmissionError(f"pool {pool!r}: {self._no_room(con, pool, nodes, chips)}")
-                con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
-                            (run_key, tenant, pool, granted, now, now + ttl))
+                con.execute(
+                    "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)", (run_key, tenant, pool, granted, now, now + ttl)
+                )
                 if hosts:
                     self._bind(con, run_key, pool, hosts, chips, now)
             else:
@@ -387,9 +445,21 @@ class Allocator(StateDB):
                 con.execute("UPDATE leases SET expires=? WHERE run_key=?", (now + ttl, run_key))
             return Lease(run_key, tenant, pool, granted, now, now + ttl, self._hosts_of(con, run_key))
 
-    def request(self, run_key: str, *, tenant: str, pool: str, nodes: int, ttl: float,
-                up_to: int | None = None, priority: int = 0, preemptible: bool = False,
-                estimate: float | None = None, chips: int = 1, now: float | None = None) -> "Lease | Waiting":
+    def request(
+        self,
+        run_key: str,
+        *,
+        tenant: str,
+        pool: str,
+        nodes: int,
+        ttl: float,
+        up_to: int | None = None,
+        priority: int = 0,
+        preemptible: bool = False,
+        estimate: float | None = None,
+        chips: int = 1,
+        now: float | None = None,
+    ) -> "Lease | Waiting":
         """Admit the gang in its turn: it is granted (as ``admit``) when the pool's queue
         order lets it start and it fits; otherwise it waits in the pool's queue and the
         answer says where and why. Call again to renew the wait and to be admitted once
@@ -427,24 +497,39 @@ class Allocator(StateDB):
             con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,))
             first = con.execute("SELECT submitted FROM waiting WHERE run_key=?", (run_key,)).fetchone()
             if estimate:
-                con.execute("INSERT INTO estimates VALUES (?, ?) ON CONFLICT(run_key) DO UPDATE SET "
-                            "seconds=excluded.seconds", (run_key, float(estimate)))
-            con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
-                        "seen=excluded.seen, nodes=excluded.nodes, up_to=excluded.up_to, "
-                        "priority=excluded.priority", (run_key, tenant, pool, nodes, up_to, priority, now, now))
-            waiting = con.execute("SELECT run_key, tenant, nodes, priority, submitted FROM waiting "
-                                  "WHERE pool=?", (pool,)).fetchall()
-            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?",
-                                 (pool,)).fetchall()
+                con.execute(
+                    "INSERT INTO estimates VALUES (?, ?) ON CONFLICT(run_key) DO UPDATE SET seconds=excluded.seconds",
+                    (run_key, float(estimate)),
+                )
+            con.execute(
+                "INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
+                "seen=excluded.seen, nodes=excluded.nodes, up_to=excluded.up_to, "
+                "priority=excluded.priority",
+                (run_key, tenant, pool, nodes, up_to, priority, now, now),
+            )
+            waiting = con.execute(
+                "SELECT run_key, tenant, nodes, priority, submitted FROM waiting WHERE pool=?", (pool,)
+            ).fetchall()
+            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?", (pool,)).fetchall()
             offline = self._offline(con, pool, now)
             free = capacity - offline - sum(r[2] for r in leases)
             quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
-            start, why, preempt = _admissions(capacity, offline, leases, waiting, now, quotas,
-                                              self._preemptible(con, [r[0] for r in leases]),
-                                              self._policy(con, pool), self._estimates(con, pool))
+            start, why, preempt = _admissions(
+                capacity,
+                offline,
+                leases,
+                waiting,
+                now,
+                quotas,
+                self._preemptible(con, [r[0] for r in leases]),
+                self._policy(con, pool),
+                self._estimates(con, pool),
+            )
             for victim, (by, reason) in preempt.items():
-                con.execute("INSERT INTO preemptions VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
-                            (victim, pool, by, now, reason))
+                con.execute(
+                    "INSERT INTO preemptions VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
+                    (victim, pool, by, now, reason),
+                )
             if run_key in start:
                 ahead = sum(start[k] for k in start if k != run_key)  # granted in this same decision
                 granted = nodes + max(0, min(up_to - nodes, free - ahead - nodes))
@@ -454,14 +539,17 @@ class Allocator(StateDB):
                     if hosts is None:  # its turn, but no set of free hosts holds the gang
                         return Waiting(run_key, pool, 1, f"pool {pool!r}: {self._no_room(con, pool, nodes, chips)}")
                 con.execute("DELETE FROM waiting WHERE run_key=?", (run_key,))
-                con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)",
-                            (run_key, tenant, pool, granted, now, now + ttl))
+                con.execute(
+                    "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?)", (run_key, tenant, pool, granted, now, now + ttl)
+                )
                 if hosts:
                     self._bind(con, run_key, pool, hosts, chips, now)
                 if preemptible:
-                    con.execute("INSERT INTO preemptible VALUES (?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
-                                "priority=excluded.priority, submitted=excluded.submitted",
-                                (run_key, priority, first[0] if first else now))
+                    con.execute(
+                        "INSERT INTO preemptible VALUES (?, ?, ?) ON CONFLICT(run_key) DO UPDATE SET "
+                        "priority=excluded.priority, submitted=excluded.submitted",
+                        (run_key, priority, first[0] if first else now),
+                    )
                 return Lease(run_key, tenant, pool, granted, now, now + ttl, tuple(hosts or ()))
             position, reason = why[run_key]
             return Waiting(run_key, pool, position, f"pool {pool!r}: {reason}")
@@ -471,12 +559,14 @@ class Allocator(StateDB):
         priority, or by fair share where the pool has quotas)."""
         now = time.time()
         with closing(self._connect()) as con:
-            waiting = con.execute("SELECT run_key, tenant, nodes, priority, submitted FROM waiting "
-                                  "WHERE pool=? ORDER BY priority DESC, submitted, run_key", (pool,)).fetchall()
+            waiting = con.execute(
+                "SELECT run_key, tenant, nodes, priority, submitted FROM waiting "
+                "WHERE pool=? ORDER BY priority DESC, submitted, run_key",
+                (pool,),
+            ).fetchall()
             if not waiting:
                 return []
-            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?",
-                                 (pool,)).fetchall()
+            leases = con.execute("SELECT run_key, tenant, nodes, granted FROM leases WHERE pool=?", (pool,)).fetchall()
             quotas = dict(con.execute("SELECT tenant, nodes FROM quotas WHERE pool=?", (pool,)).fetchall())
             capacity, offline = self._capacity(con, pool), self._offline(con, pool, now)
             running = self._preemptible(con, [r[0] for r in leases])
@@ -488,16 +578,16 @@ class Allocator(StateDB):
         start, why, _ = _admissions(capacity, offline, leases, waiting, now, quotas, running)
         return sorted((r[0] for r in waiting), key=lambda k: (k not in start, why.get(k, (0,))[0]))
 
-    def grow(self, run_key: str, *, by: int = 1, slot: int | None = None, host: str | None = None,
-             now: float | None = None) -> bool:
+    def grow(
+        self, run_key: str, *, by: int = 1, slot: int | None = None, host: str | None = None, now: float | None = None
+    ) -> bool:
         """Add ``by`` nodes to the run's lease if they are free now; False otherwise (or if
         the run holds no lease). In a pool of registered hosts a node is a host for one
         ``slot``: ``host`` (the one the slot's task runs on) if it is free and healthy,
         else, without ``host``, a free one placed next to the run's other hosts."""
         now = time.time() if now is None else now
         with self._transaction() as con:
-            row = con.execute("SELECT pool FROM leases WHERE run_key=? AND expires >= ?",
-                              (run_key, now)).fetchone()
+            row = con.execute("SELECT pool FROM leases WHERE run_key=? AND expires >= ?", (run_key, now)).fetchone()
             if row is None:
                 return False
             pool = row[0]
@@ -509,8 +599,9 @@ class Allocator(StateDB):
                     raise ValueError("a pool of registered hosts grows a run one slot at a time: give slot=")
                 chips = self._chips_of(con, run_key)
                 if host is not None:
-                    placed = [host] if any(h == host and d >= chips for h, d, _ in self._free_hosts(con, pool)) \
-                        else None
+                    placed = (
+                        [host] if any(h == host and d >= chips for h, d, _ in self._free_hosts(con, pool)) else None
+                    )
                 else:
                     placed = self._place_hosts(con, pool, 1, chips, near=self._hosts_of(con, run_key))
                 if not placed:
@@ -532,9 +623,12 @@ class Allocator(StateDB):
     def _free_hosts(con, pool: str) -> list[tuple[str, int, str | None]]:
         """The pool's hosts that are registered, not cordoned and held by no run: (host,
         chips, rack label)."""
-        rows = con.execute("SELECT host, devices, labels FROM inventory WHERE pool=? "
-                           "AND host NOT IN (SELECT host FROM cordons) "
-                           "AND host NOT IN (SELECT host FROM host_leases) ORDER BY host", (pool,)).fetchall()
+        rows = con.execute(
+            "SELECT host, devices, labels FROM inventory WHERE pool=? "
+            "AND host NOT IN (SELECT host FROM cordons) "
+            "AND host NOT IN (SELECT host FROM host_leases) ORDER BY host",
+            (pool,),
+        ).fetchall()
         return [(h, int(d), _rack(labels)) for h, d, labels in rows]
 
     @classmethod
@@ -546,8 +640,9 @@ class Allocator(StateDB):
         candidates = cls._free_hosts(con, pool)
         if near:
             marks = ", ".join("?" * len(near))
-            racks = {_rack(r[0]) for r in con.execute(
-                f"SELECT labels FROM inventory WHERE host IN ({marks})", tuple(near))} - {None}
+            racks = {
+                _rack(r[0]) for r in con.execute(f"SELECT labels FROM inventory WHERE host IN ({marks})", tuple(near))
+            } - {None}
             if racks:
                 placed = cls._place_hosts_in([c for c in candidates if c[2] in racks], count, chips)
                 if placed:
@@ -580,20 +675,27 @@ class Allocator(StateDB):
     @classmethod
     def _no_room(cls, con, pool: str, nodes: int, chips: int) -> str:
         fit = sum(d >= chips for _, d, _ in cls._free_hosts(con, pool))
-        return (f"needs {nodes} host{'s' * (nodes != 1)} with {chips} chip{'s' * (chips != 1)} or more; "
-                f"{fit} free host{'s' * (fit != 1)} of the pool {'have' if fit != 1 else 'has'} that many")
+        return (
+            f"needs {nodes} host{'s' * (nodes != 1)} with {chips} chip{'s' * (chips != 1)} or more; "
+            f"{fit} free host{'s' * (fit != 1)} of the pool {'have' if fit != 1 else 'has'} that many"
+        )
 
     @staticmethod
     def _bind(con, run_key: str, pool: str, hosts, chips: int, now: float, first_slot: int = 0) -> None:
         dag_run = run_key.split("/", 1)[1] if "/" in run_key else run_key
         for i, host in enumerate(hosts):
-            con.execute("INSERT INTO host_leases (host, run_key, dag_run, slot, pool, chips, since, routed_try) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, 0)", (host, run_key, dag_run, first_slot + i, pool, chips, now))
+            con.execute(
+                "INSERT INTO host_leases (host, run_key, dag_run, slot, pool, chips, since, routed_try) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
+                (host, run_key, dag_run, first_slot + i, pool, chips, now),
+            )
 
     @staticmethod
     def _hosts_of(con, run_key: str) -> tuple[str, ...]:
-        return tuple(r[0] for r in con.execute("SELECT host FROM host_leases WHERE run_key=? AND slot >= 0 "
-                                               "ORDER BY slot", (run_key,)))
+        return tuple(
+            r[0]
+            for r in con.execute("SELECT host FROM host_leases WHERE run_key=? AND slot >= 0 ORDER BY slot", (run_key,))
+        )
 
     @staticmethod
     def _chips_of(con, run_key: str) -> int:
@@ -607,8 +709,10 @@ class Allocator(StateDB):
 
     @staticmethod
     def _suspect(con, host: str, run_key: str, slot: int, routed: int, lost) -> bool:
-        if con.execute("SELECT 1 FROM cordons WHERE host=?", (host,)).fetchone() or \
-                not con.execute("SELECT 1 FROM inventory WHERE host=?", (host,)).fetchone():
+        if (
+            con.execute("SELECT 1 FROM cordons WHERE host=?", (host,)).fetchone()
+            or not con.execute("SELECT 1 FROM inventory WHERE host=?", (host,)).fetchone()
+        ):
             return True
         if lost is None:
             from trainflow.cluster.nodes import try_lost
@@ -620,11 +724,13 @@ class Allocator(StateDB):
     def placement(self, run_key: str) -> dict[int, str]:
         """The run's node slots and their hosts (empty outside pools of registered hosts)."""
         with closing(self._connect()) as con:
-            return dict(con.execute("SELECT slot, host FROM host_leases WHERE run_key=? AND slot >= 0",
-                                    (run_key,)).fetchall())
+            return dict(
+                con.execute("SELECT slot, host FROM host_leases WHERE run_key=? AND slot >= 0", (run_key,)).fetchall()
+            )
 
-    def route(self, dag_id: str, run_id: str, slot: int, try_number: int, now: float | None = None,
-              lost=None) -> str | None:
+    def route(
+        self, dag_id: str, run_id: str, slot: int, try_number: int, now: float | None = None, lost=None
+    ) -> str | None:
         """The host a try of node task ``slot`` of a DAG run must run on, or None when the
         slot holds no host (a pool sized by ``set_pool``, or an elastic slot still waiting
         for capacity: it goes to its chip queue, and ``grow`` binds the host it runs on).
@@ -639,8 +745,10 @@ class Allocator(StateDB):
         """
         now = time.time() if now is None else now
         with self._transaction() as con:
-            row = con.execute("SELECT host, run_key, pool, chips, routed_try FROM host_leases "
-                              "WHERE dag_run=? AND slot=?", (f"{dag_id}/{run_id}", slot)).fetchone()
+            row = con.execute(
+                "SELECT host, run_key, pool, chips, routed_try FROM host_leases WHERE dag_run=? AND slot=?",
+                (f"{dag_id}/{run_id}", slot),
+            ).fetchone()
             if row is None:
                 return None
             host, run_key, pool, chips, routed = row
@@ -652,8 +760,14 @@ class Allocator(StateDB):
                     self._bind(con, run_key, pool, moved, chips, now, first_slot=slot)
                     host = moved[0]
                 else:
-                    log.warning("%s node %d: host %s is suspect and no other host of pool %s is free; "
-                                "try %d waits for it", run_key, slot, host, pool, try_number)
+                    log.warning(
+                        "%s node %d: host %s is suspect and no other host of pool %s is free; try %d waits for it",
+                        run_key,
+                        slot,
+                        host,
+                        pool,
+                        try_number,
+                    )
             con.execute("UPDATE host_leases SET routed_try=? WHERE host=?", (try_number, host))
             return host
 
@@ -666,8 +780,9 @@ class Allocator(StateDB):
             row = con.execute("SELECT pool FROM leases WHERE run_key=?", (run_key,)).fetchone()
             if row is None:
                 return
-            con.execute("UPDATE leases SET nodes = CASE WHEN nodes > 0 THEN nodes - 1 ELSE 0 END "
-                        "WHERE run_key=?", (run_key,))
+            con.execute(
+                "UPDATE leases SET nodes = CASE WHEN nodes > 0 THEN nodes - 1 ELSE 0 END WHERE run_key=?", (run_key,)
+            )
             if slot is not None:  # its host stays out of placement until the run releases
                 con.execute("UPDATE host_leases SET slot=-1 WHERE run_key=? AND slot=?", (run_key, slot))
             con.execute("INSERT INTO offline VALUES (?, ?, ?, ?)", (row[0], run_key, until, reason))
@@ -693,18 +808,30 @@ class Allocator(StateDB):
         registered hosts) is known to fit it when idle (expired leases are dropped on the way)."""
         capacity = self._capacity(con, pool)
         if nodes > capacity:
-            raise SpecError("nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; "
-                            f"ask for at most {capacity}")
+            raise SpecError(
+                "nodes", nodes, f"pool {pool!r} has only {capacity} nodes in total; ask for at most {capacity}"
+            )
         if chips > 1 and self._host_pool(con, pool):
-            sizes = [r[0] for r in con.execute("SELECT devices FROM inventory WHERE pool=? "
-                                               "AND host NOT IN (SELECT host FROM cordons)", (pool,))]
+            sizes = [
+                r[0]
+                for r in con.execute(
+                    "SELECT devices FROM inventory WHERE pool=? AND host NOT IN (SELECT host FROM cordons)", (pool,)
+                )
+            ]
             if not any(d >= chips for d in sizes):
-                raise SpecError("nproc_per_node", chips, f"no healthy host of pool {pool!r} has {chips} chips "
-                                f"(the most: {max(sizes, default=0)}); ask for at most {max(sizes, default=0)}")
+                raise SpecError(
+                    "nproc_per_node",
+                    chips,
+                    f"no healthy host of pool {pool!r} has {chips} chips "
+                    f"(the most: {max(sizes, default=0)}); ask for at most {max(sizes, default=0)}",
+                )
             fit = sum(d >= chips for d in sizes)
             if nodes > fit:
-                raise SpecError("nodes", nodes, f"pool {pool!r} has only {fit} hosts with {chips} chips or more "
-                                f"(healthy); ask for at most {fit}")
+                raise SpecError(
+                    "nodes",
+                    nodes,
+                    f"pool {pool!r} has only {fit} hosts with {chips} chips or more (healthy); ask for at most {fit}",
+                )
         con.execute("DELETE FROM leases WHERE expires < ?", (now,))
         self._sweep_hosts(con)
         return capacity
@@ -718,11 +845,15 @@ class Allocator(StateDB):
             return row[0]
         registered, healthy = con.execute(
             "SELECT COUNT(*), COALESCE(SUM(CASE WHEN host IN (SELECT host FROM cordons) THEN 0 ELSE 1 END), 0) "
-            "FROM inventory WHERE pool=?", (pool,)).fetchone()
+            "FROM inventory WHERE pool=?",
+            (pool,),
+        ).fetchone()
         if registered:
             return healthy
-        known = sorted({r[0] for r in con.execute("SELECT name FROM pools")}
-                       | {r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")})
+        known = sorted(
+            {r[0] for r in con.execute("SELECT name FROM pools")}
+            | {r[0] for r in con.execute("SELECT DISTINCT pool FROM inventory WHERE pool != ''")}
+        )
         raise SpecError("pool", pool, f"unknown pool; known pools: {', '.join(known) or 'none'}")
 
     @staticmethod
@@ -736,17 +867,25 @@ class Allocator(StateDB):
     @staticmethod
     def _estimates(con, pool: str) -> dict[str, float]:
         """Estimates of the pool's running and waiting runs: run key → seconds."""
-        return dict(con.execute(
-            "SELECT e.run_key, e.seconds FROM estimates e WHERE e.run_key IN (SELECT run_key FROM leases WHERE pool=?) "
-            "OR e.run_key IN (SELECT run_key FROM waiting WHERE pool=?)", (pool, pool)).fetchall())
+        return dict(
+            con.execute(
+                "SELECT e.run_key, e.seconds FROM estimates e WHERE e.run_key IN (SELECT run_key FROM leases WHERE pool=?) "
+                "OR e.run_key IN (SELECT run_key FROM waiting WHERE pool=?)",
+                (pool, pool),
+            ).fetchall()
+        )
 
     @staticmethod
     def _preemptible(con, keys: list[str]) -> dict[str, tuple[int, float]]:
         """The preemptible ones among the runs ``keys``: run key → (priority, first submitted)."""
         if not keys:
             return {}
-        rows = con.execute("SELECT run_key, priority, submitted FROM preemptible WHERE run_key IN ("
-                           + ", ".join("?" * len(keys)) + ")", keys).fetchall()
+        rows = con.execute(
+            "SELECT run_key, priority, submitted FROM preemptible WHERE run_key IN ("
+            + ", ".join("?" * len(keys))
+            + ")",
+            keys,
+        ).fetchall()
         return {key: (prio, submitted) for key, prio, submitted in rows}
 
     def preemption(self, run_key: str) -> dict | None:
@@ -776,12 +915,13 @@ class Allocator(StateDB):
             con.execute("DELETE FROM host_leases WHERE run_key=?", (run_key,))
             if lease is not None:
                 prio, submitted = meta if meta is not None else (0, now)
-                con.execute("INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
-                            (run_key, lease[0], lease[1], nodes, nodes, prio, submitted, now))
+                con.execute(
+                    "INSERT INTO waiting VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_key) DO NOTHING",
+                    (run_key, lease[0], lease[1], nodes, nodes, prio, submitted, now),
+                )
             return True
 
-    def release(self, run_key: str, *, completed: tuple[str, int] | None = None,
-                now: float | None = None) -> bool:
+    def release(self, run_key: str, *, completed: tuple[str, int] | None = None, now: float | None = None) -> bool:
         """Free the run's lease (and the nodes it lost, ``lose_node``) or withdraw its waiting
         request; True if it held a lease. ``completed``: the run trained to the end, as
         ``(scope, steps)``: its time from admission to now joins the scope's history, which
@@ -793,8 +933,10 @@ class Allocator(StateDB):
                 row = con.execute("SELECT granted FROM leases WHERE run_key=?", (run_key,)).fetchone()
                 if row is not None:
                     con.execute("INSERT INTO run_history VALUES (?, ?, ?, ?)", (scope, int(steps), now - row[0], now))
-                    old = con.execute("SELECT ended FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT 1 OFFSET ?",
-                                      (scope, HISTORY_KEEP - 1)).fetchone()
+                    old = con.execute(
+                        "SELECT ended FROM run_history WHERE scope=? ORDER BY ended DESC LIMIT 1 OFFSET ?",
+                        (scope, HISTORY_KEEP - 1),
+                    ).fetchone()
                     if old is not None:
                         con.execute("DELETE FROM run_history WHERE scope=? AND ended < ?", (scope, old[0]))
             con.execute("DELETE FROM estimates WHERE run_key=?", (run_key,))
@@ -812,9 +954,11 @@ class Allocator(StateDB):
         now = time.time() if now is None else now
         live = "run_key NOT IN (SELECT run_key FROM leases) AND run_key NOT IN (SELECT run_key FROM waiting)"
         with self._transaction() as con:
-            out = {"leases": con.execute("DELETE FROM leases WHERE expires < ?", (now,)).rowcount,
-                   "offline": con.execute("DELETE FROM offline WHERE until < ?", (now,)).rowcount,
-                   "waiting": con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,)).rowcount}
+            out = {
+                "leases": con.execute("DELETE FROM leases WHERE expires < ?", (now,)).rowcount,
+                "offline": con.execute("DELETE FROM offline WHERE until < ?", (now,)).rowcount,
+                "waiting": con.execute("DELETE FROM waiting WHERE seen < ?", (now - STALE_WAIT_S,)).rowcount,
+            }
             for table in ("estimates", "preemptible", "preemptions"):
                 out[table] = con.execute(f"DELETE FROM {table} WHERE {live}").rowcount
             out["host_leases"] = self._sweep_hosts(con)
@@ -823,8 +967,10 @@ class Allocator(StateDB):
     def leases(self, pool: str | None = None, now: float | None = None) -> list[Lease]:
         now = time.time() if now is None else now
         with closing(self._connect()) as con:
-            rows = con.execute("SELECT * FROM leases WHERE expires >= ?" + (" AND pool=?" if pool else ""),
-                               (now, pool) if pool else (now,)).fetchall()
+            rows = con.execute(
+                "SELECT * FROM leases WHERE expires >= ?" + (" AND pool=?" if pool else ""),
+                (now, pool) if pool else (now,),
+            ).fetchall()
             hosts = {}
             for host, key in con.execute("SELECT host, run_key FROM host_leases WHERE slot >= 0 ORDER BY slot"):
                 hosts.setdefault(key, []).append(host)

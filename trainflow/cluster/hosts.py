@@ -17,13 +17,16 @@ from dataclasses import dataclass
 
 from trainflow.cluster.allocator import HOST_TABLES, StateDB
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS host_failures (
     host TEXT NOT NULL, time REAL NOT NULL, run_key TEXT NOT NULL, node INTEGER NOT NULL,
     reason TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS host_failures_host ON host_failures (host, time);
-""" + HOST_TABLES
+"""
+    + HOST_TABLES
+)
 
 
 def host_name() -> str:
@@ -43,11 +46,15 @@ class CordonPolicy:
     def from_env(cls, env: dict[str, str] | None = None) -> "CordonPolicy":
         """``TRAINFLOW_CORDON_FAILURES`` and ``TRAINFLOW_CORDON_WINDOW_S`` (defaults 3, 600)."""
         env = os.environ if env is None else env
-        policy = cls(failures=int(env.get("TRAINFLOW_CORDON_FAILURES", cls.failures)),
-                     window_s=float(env.get("TRAINFLOW_CORDON_WINDOW_S", cls.window_s)))
+        policy = cls(
+            failures=int(env.get("TRAINFLOW_CORDON_FAILURES", cls.failures)),
+            window_s=float(env.get("TRAINFLOW_CORDON_WINDOW_S", cls.window_s)),
+        )
         if policy.failures < 1 or policy.window_s <= 0:
-            raise ValueError(f"invalid cordon policy {policy}: TRAINFLOW_CORDON_FAILURES must be ≥ 1 "
-                             f"and TRAINFLOW_CORDON_WINDOW_S > 0")
+            raise ValueError(
+                f"invalid cordon policy {policy}: TRAINFLOW_CORDON_FAILURES must be ≥ 1 "
+                f"and TRAINFLOW_CORDON_WINDOW_S > 0"
+            )
         return policy
 
 
@@ -63,8 +70,9 @@ class HostRegistry(StateDB):
 
     SCHEMA = _SCHEMA
 
-    def record_failure(self, host: str, *, reason: str, run_key: str, node: int,
-                       policy: CordonPolicy, now: float | None = None) -> Cordon | None:
+    def record_failure(
+        self, host: str, *, reason: str, run_key: str, node: int, policy: CordonPolicy, now: float | None = None
+    ) -> Cordon | None:
         """Record one failure on ``host``; cordon it when the policy's count is reached.
 
         Returns:
@@ -74,10 +82,12 @@ class HostRegistry(StateDB):
         with closing(self._connect()) as con:
             con.execute("BEGIN IMMEDIATE")
             try:
-                con.execute("INSERT INTO host_failures VALUES (?, ?, ?, ?, ?)",
-                            (host, now, run_key, node, reason[:500]))
-                recent = con.execute("SELECT COUNT(*) FROM host_failures WHERE host=? AND time > ?",
-                                     (host, now - policy.window_s)).fetchone()[0]
+                con.execute(
+                    "INSERT INTO host_failures VALUES (?, ?, ?, ?, ?)", (host, now, run_key, node, reason[:500])
+                )
+                recent = con.execute(
+                    "SELECT COUNT(*) FROM host_failures WHERE host=? AND time > ?", (host, now - policy.window_s)
+                ).fetchone()[0]
                 if recent >= policy.failures:
                     why = f"{recent} failures in {policy.window_s:g}s, last: {reason[:300]}"
                     con.execute("INSERT INTO cordons VALUES (?, ?, ?) ON CONFLICT DO NOTHING", (host, now, why))
@@ -104,8 +114,18 @@ class HostRegistry(StateDB):
             row = con.execute("SELECT host, since, reason FROM cordons WHERE host=?", (host,)).fetchone()
         return Cordon(*row) if row else None
 
-    def register(self, host: str, *, queue: str, family: str, devices: int, pool: str | None = None,
-                 model: str = "", labels: dict[str, str] | None = None, now: float | None = None) -> None:
+    def register(
+        self,
+        host: str,
+        *,
+        queue: str,
+        family: str,
+        devices: int,
+        pool: str | None = None,
+        model: str = "",
+        labels: dict[str, str] | None = None,
+        now: float | None = None,
+    ) -> None:
         """Record what ``host`` serves (``trainflow doctor --register``, ``trainflow
         worker``): its chip queue, family and model, ``devices`` chips, the node ``pool`` it
         belongs to (default: its queue) and free-form ``labels`` (``rack=r1``). Provision
@@ -122,17 +142,36 @@ class HostRegistry(StateDB):
         now = time.time() if now is None else now
         labels = dict(labels or {})
         for key, value in labels.items():
-            if not (isinstance(key, str) and isinstance(value, str) and 0 < len(key) <= 63 and len(value) <= 63
-                    and key.replace("-", "").replace("_", "").replace(".", "").replace("/", "").isalnum()):
-                raise SpecError("label", f"{key}={value}", "name=value, a name of letters, digits, '-', '_', "
-                                "'.' or '/' and a value of at most 63 characters, e.g. rack=r1")
+            if not (
+                isinstance(key, str)
+                and isinstance(value, str)
+                and 0 < len(key) <= 63
+                and len(value) <= 63
+                and key.replace("-", "").replace("_", "").replace(".", "").replace("/", "").isalnum()
+            ):
+                raise SpecError(
+                    "label",
+                    f"{key}={value}",
+                    "name=value, a name of letters, digits, '-', '_', "
+                    "'.' or '/' and a value of at most 63 characters, e.g. rack=r1",
+                )
         with closing(self._connect()) as con:
-            con.execute("INSERT INTO inventory (host, queue, family, devices, time, pool, model, labels) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (host) DO UPDATE SET "
-                        "queue=excluded.queue, family=excluded.family, devices=excluded.devices, "
-                        "time=excluded.time, pool=excluded.pool, model=excluded.model, labels=excluded.labels",
-                        (host, queue, family, int(devices), now, pool or queue, model or "",
-                         json.dumps(labels, sort_keys=True)))
+            con.execute(
+                "INSERT INTO inventory (host, queue, family, devices, time, pool, model, labels) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (host) DO UPDATE SET "
+                "queue=excluded.queue, family=excluded.family, devices=excluded.devices, "
+                "time=excluded.time, pool=excluded.pool, model=excluded.model, labels=excluded.labels",
+                (
+                    host,
+                    queue,
+                    family,
+                    int(devices),
+                    now,
+                    pool or queue,
+                    model or "",
+                    json.dumps(labels, sort_keys=True),
+                ),
+            )
 
     def deregister(self, host: str) -> bool:
         """Take ``host`` out of the inventory (decommissioned); True if it was registered."""
@@ -150,10 +189,13 @@ class HostRegistry(StateDB):
                 where.append(f"i.{column}=?")
                 args.append(value)
         with closing(self._connect()) as con:
-            rows = con.execute("SELECT i.host, i.queue, i.family, i.devices, i.time, i.pool, i.model, i.labels, "
-                               "c.reason FROM inventory i LEFT JOIN cordons c ON c.host = i.host"
-                               + (" WHERE " + " AND ".join(where) if where else "")
-                               + " ORDER BY i.devices DESC, i.host", args).fetchall()
+            rows = con.execute(
+                "SELECT i.host, i.queue, i.family, i.devices, i.time, i.pool, i.model, i.labels, "
+                "c.reason FROM inventory i LEFT JOIN cordons c ON c.host = i.host"
+                + (" WHERE " + " AND ".join(where) if where else "")
+                + " ORDER BY i.devices DESC, i.host",
+                args,
+            ).fetchall()
         keys = ("host", "queue", "family", "devices", "time", "pool", "model", "labels", "cordoned")
         out = [dict(zip(keys, r)) for r in rows]
         for row in out:
@@ -165,11 +207,18 @@ class HostRegistry(StateDB):
         """Every known host with its recent failures and cordon (for the CLI and the UI)."""
         now = time.time() if now is None else now
         with closing(self._connect()) as con:
-            failures = dict(con.execute(
-                "SELECT host, COUNT(*) FROM host_failures WHERE time > ? GROUP BY host",
-                (now - policy.window_s,)).fetchall())
+            failures = dict(
+                con.execute(
+                    "SELECT host, COUNT(*) FROM host_failures WHERE time > ? GROUP BY host", (now - policy.window_s,)
+                ).fetchall()
+            )
             cordons = {r[0]: Cordon(*r) for r in con.execute("SELECT host, since, reason FROM cordons")}
-        return [{"host": h, "recent_failures": failures.get(h, 0),
-                 "cordoned": cordons[h].reason if h in cordons else None,
-                 "cordoned_since": cordons[h].since if h in cordons else None}
-                for h in sorted(set(failures) | set(cordons))]
+        return [
+            {
+                "host": h,
+                "recent_failures": failures.get(h, 0),
+                "cordoned": cordons[h].reason if h in cordons else None,
+                "cordoned_since": cordons[h].since if h in cordons else None,
+            }
+            for h in sorted(set(failures) | set(cordons))
+        ]

@@ -53,8 +53,16 @@ def mark_injected(run_dir: Path, node: int, kind: str) -> None:
 class NodeTry:
     """Try ``try_number`` of node ``node`` of the run planned in ``plan``."""
 
-    def __init__(self, plan: dict, node: int, try_number: int, *, host: str | None = None,
-                 registry: HostRegistry | None = None, policy: CordonPolicy | None = None) -> None:
+    def __init__(
+        self,
+        plan: dict,
+        node: int,
+        try_number: int,
+        *,
+        host: str | None = None,
+        registry: HostRegistry | None = None,
+        policy: CordonPolicy | None = None,
+    ) -> None:
         self.plan, self.node, self.try_number = plan, node, try_number
         self.run_dir = Path(plan["run_dir"])
         self.host = host or host_name()
@@ -73,23 +81,41 @@ class NodeTry:
         """
         if self.marker.exists() and "ended" not in (last := json.loads(self.marker.read_text())):
             if last.get("injected"):
-                log.info("node %d's try %s was killed by an injected %s fault: not charged to host %s",
-                         self.node, last["try"], last["injected"], last["host"])
+                log.info(
+                    "node %d's try %s was killed by an injected %s fault: not charged to host %s",
+                    self.node,
+                    last["try"],
+                    last["injected"],
+                    last["host"],
+                )
             else:
-                self.hosts.record_failure(last["host"], reason=f"node {self.node} task of try {last['try']} died",
-                                          run_key=self.run_key, node=self.node, policy=self.policy)
+                self.hosts.record_failure(
+                    last["host"],
+                    reason=f"node {self.node} task of try {last['try']} died",
+                    run_key=self.run_key,
+                    node=self.node,
+                    policy=self.policy,
+                )
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "pid": os.getpid()})
         self.started = time.time()
         try:
-            return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts,
-                                 policy=self.policy)
+            return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts, policy=self.policy)
         except ChipUnavailableError as exc:
             # The worker, not the host, is wrong: no retry can help and nothing is charged
             # to the host. The abort record stops the other nodes and the heartbeat watch.
             record(self.run_dir, "chip_unavailable", node=self.node, host=self.host, message=str(exc))
-            abort(self.run_dir, {"rank": None, "node": self.node, "kind": "chip_unavailable",
-                                 "type": type(exc).__name__, "message": str(exc), "time": time.time()})
+            abort(
+                self.run_dir,
+                {
+                    "rank": None,
+                    "node": self.node,
+                    "kind": "chip_unavailable",
+                    "type": type(exc).__name__,
+                    "message": str(exc),
+                    "time": time.time(),
+                },
+            )
             self.end("chip_unavailable")
             raise
         except PreflightError as exc:
@@ -103,8 +129,9 @@ class NodeTry:
         if failure is None:
             return
         before = self.hosts.cordoned(self.host)
-        cordon = self.hosts.record_failure(self.host, reason=failure, run_key=self.run_key,
-                                           node=self.node, policy=self.policy)
+        cordon = self.hosts.record_failure(
+            self.host, reason=failure, run_key=self.run_key, node=self.node, policy=self.policy
+        )
         if cordon is not None and before is None:
             log.warning("host %s is cordoned: %s", self.host, cordon.reason)
             record(self.run_dir, "host_cordoned", host=self.host, node=self.node, reason=cordon.reason)

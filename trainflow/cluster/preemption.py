@@ -42,8 +42,16 @@ def grace_from_env(env: dict[str, str] | None = None) -> float:
 class PreemptionWatch:
     """Node ``node``'s watch over preemption orders for the run in ``run_dir``."""
 
-    def __init__(self, run_dir: Path | str, run_key: str, node: int, *, allocator: Allocator | None = None,
-                 grace: float | None = None, check_every: float = CHECK_EVERY_S) -> None:
+    def __init__(
+        self,
+        run_dir: Path | str,
+        run_key: str,
+        node: int,
+        *,
+        allocator: Allocator | None = None,
+        grace: float | None = None,
+        check_every: float = CHECK_EVERY_S,
+    ) -> None:
         self.run_dir, self.run_key, self.node = Path(run_dir), run_key, node
         self.allocator = allocator or Allocator()
         self.grace = grace_from_env() if grace is None else grace
@@ -77,9 +85,11 @@ class PreemptionWatch:
     def _overdue(self, now: float) -> str | None:
         if self.order is None or now - float(self.order["at"]) < self.grace:
             return None
-        return (f"preempted for {self.order['by']!r}, but the gang did not stop at a checkpoint within "
-                f"{self.grace:.0f} s (TRAINFLOW_PREEMPT_GRACE_S); stopping it: it resumes from its newest "
-                f"verified checkpoint")
+        return (
+            f"preempted for {self.order['by']!r}, but the gang did not stop at a checkpoint within "
+            f"{self.grace:.0f} s (TRAINFLOW_PREEMPT_GRACE_S); stopping it: it resumes from its newest "
+            f"verified checkpoint"
+        )
 
     def stopped_at(self) -> int | None:
         """The step the gang stopped at for the preemption (None: it did not stop for one)."""
@@ -88,8 +98,11 @@ class PreemptionWatch:
 
     def ordered(self) -> bool:
         """Whether a preemption was ordered for the run (still pending, or carried out)."""
-        return self.order is not None or self.allocator.preemption(self.run_key) is not None \
+        return (
+            self.order is not None
+            or self.allocator.preemption(self.run_key) is not None
             or preempted(self.run_dir) is not None
+        )
 
     def holds_lease(self, now: float | None = None) -> bool:
         """Whether the run holds its lease now (False once it gave it back to requeue)."""

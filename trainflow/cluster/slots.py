@@ -31,8 +31,9 @@ def mark_lost(run_dir: Path, node: int, *, seconds: float, reason: str) -> None:
     path = Path(run_dir) / "nodes" / f"lost-{node:04d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     until = time.time() + seconds if seconds else math.inf
-    write_json_atomic(path, {"node": node, "until": until if math.isfinite(until) else None,
-                             "reason": reason, "time": time.time()})
+    write_json_atomic(
+        path, {"node": node, "until": until if math.isfinite(until) else None, "reason": reason, "time": time.time()}
+    )
 
 
 class SlotLeases:
@@ -46,8 +47,15 @@ class SlotLeases:
         self.request: dict | None = None
 
     @classmethod
-    def create(cls, run_dir: Path, run_key: str, pool: str, granted: int,
-               allocator: Allocator | None = None, request: dict | None = None) -> "SlotLeases":
+    def create(
+        cls,
+        run_dir: Path,
+        run_key: str,
+        pool: str,
+        granted: int,
+        allocator: Allocator | None = None,
+        request: dict | None = None,
+    ) -> "SlotLeases":
         """Provision's side: remember the lease (and ``request``, the ``Allocator.request``
         arguments it was granted for, which a preempted run asks again with) and mark slots
         ``0..granted-1`` as holding a node (stale markers of an earlier run with the same id
@@ -56,8 +64,9 @@ class SlotLeases:
         leases.nodes_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*leases.nodes_dir.glob("slot-*.held"), *leases.nodes_dir.glob("lost-*.json")]:
             stale.unlink()
-        write_json_atomic(leases.nodes_dir / LEASE_FILE, {"run_key": run_key, "pool": pool, "granted": granted,
-                                                          "request": request})
+        write_json_atomic(
+            leases.nodes_dir / LEASE_FILE, {"run_key": run_key, "pool": pool, "granted": granted, "request": request}
+        )
         for node in range(granted):
             leases._held(node).touch()
         return leases
@@ -88,9 +97,12 @@ class SlotLeases:
             return None
         if self.holds(node):
             until = info.get("until")
-            self.allocator.lose_node(self.run_key, until=math.inf if until is None else float(until),
-                                     reason=f"{self.run_key} node {node}: {info.get('reason', 'lost')}",
-                                     slot=node)
+            self.allocator.lose_node(
+                self.run_key,
+                until=math.inf if until is None else float(until),
+                reason=f"{self.run_key} node {node}: {info.get('reason', 'lost')}",
+                slot=node,
+            )
             self._held(node).unlink(missing_ok=True)
             record(self.run_dir, "node_lost", node=node, until=until, reason=info.get("reason"))
         os.replace(lost, lost.with_suffix(".settled"))

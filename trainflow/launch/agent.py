@@ -41,13 +41,21 @@ def agent_env(plan: dict, node: int, host_env: dict[str, str] | None = None) -> 
     """Environment the agent and its workers need (pure but for ``host_env``, default
     ``os.environ``)."""
     host_env = os.environ if host_env is None else host_env
-    propagated = {k: v for k, v in plan.get("env", {}).items()
-                  if not (k.endswith(HOST_LOCAL_SUFFIXES) and host_env.get(k))}
+    propagated = {
+        k: v for k, v in plan.get("env", {}).items() if not (k.endswith(HOST_LOCAL_SUFFIXES) and host_env.get(k))
+    }
     run_dir = plan.get("run_dir")
     # The launch contract's run-wide part (trainflow.program.CONTRACT); the rest is per gang.
-    contract = {"TRAINFLOW_RUN_ID": str(plan.get("run_id", "")), "TRAINFLOW_RUN_DIR": str(run_dir),
-                "TRAINFLOW_CHECKPOINT_DIR": os.path.join(run_dir, "checkpoints"),
-                "TRAINFLOW_PROGRESS": os.path.join(run_dir, "heartbeats")} if run_dir else {}
+    contract = (
+        {
+            "TRAINFLOW_RUN_ID": str(plan.get("run_id", "")),
+            "TRAINFLOW_RUN_DIR": str(run_dir),
+            "TRAINFLOW_CHECKPOINT_DIR": os.path.join(run_dir, "checkpoints"),
+            "TRAINFLOW_PROGRESS": os.path.join(run_dir, "heartbeats"),
+        }
+        if run_dir
+        else {}
+    )
     return {
         **propagated,
         **contract,
@@ -105,8 +113,11 @@ def fast_rendezvous_polling(poll_s: float) -> bool:
     except (TypeError, ValueError):
         has_cache = False
     if not callable(delay) or not has_cache:
-        log.warning("torch %s: rendezvous internals changed (_delay, _BackendRendezvousStateHolder"
-                    "(cache_duration=)); keeping torch's 1 s rendezvous polling", _torch_version())
+        log.warning(
+            "torch %s: rendezvous internals changed (_delay, _BackendRendezvousStateHolder"
+            "(cache_duration=)); keeping torch's 1 s rendezvous polling",
+            _torch_version(),
+        )
         return False
     scale = poll_s / TORCH_SYNC_DELAY_S
 
@@ -147,8 +158,11 @@ def observe_worker_exits(run_dir: Path, node: int, no_retry: frozenset[int] = fr
 
     monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
     if not callable(monitor):
-        log.warning("torch %s: LocalElasticAgent._monitor_workers is gone; worker exits are not "
-                    "recorded (faults from outside go uncounted)", _torch_version())
+        log.warning(
+            "torch %s: LocalElasticAgent._monitor_workers is gone; worker exits are not "
+            "recorded (faults from outside go uncounted)",
+            _torch_version(),
+        )
         return False
 
     def observed(self, worker_group):
@@ -157,17 +171,34 @@ def observe_worker_exits(run_dir: Path, node: int, no_retry: frozenset[int] = fr
             beats = read_all(Path(run_dir) / "heartbeats")
             for rank, failure in sorted(result.failures.items()):
                 sig = failure.signal_name() if failure.exitcode < 0 else None
-                record(run_dir, "worker_exited", node=node, rank=int(rank), exitcode=int(failure.exitcode),
-                       signal=None if sig in (None, "<N/A>") else sig, pid=int(failure.pid),
-                       step=(beats.get(int(rank)) or {}).get("step"))
+                record(
+                    run_dir,
+                    "worker_exited",
+                    node=node,
+                    rank=int(rank),
+                    exitcode=int(failure.exitcode),
+                    signal=None if sig in (None, "<N/A>") else sig,
+                    pid=int(failure.pid),
+                    step=(beats.get(int(rank)) or {}).get("step"),
+                )
                 if failure.exitcode in no_retry:
                     from trainflow.remediation import abort
 
-                    message = (f"rank {rank} exited with code {failure.exitcode}, which exit_codes_no_retry "
-                               f"names a user error: the run stops instead of restarting")
+                    message = (
+                        f"rank {rank} exited with code {failure.exitcode}, which exit_codes_no_retry "
+                        f"names a user error: the run stops instead of restarting"
+                    )
                     record(run_dir, "user_error", rank=int(rank), message=message)
-                    abort(run_dir, {"rank": int(rank), "kind": "user", "type": "ExitCode", "message": message,
-                                    "time": time.time()})
+                    abort(
+                        run_dir,
+                        {
+                            "rank": int(rank),
+                            "kind": "user",
+                            "type": "ExitCode",
+                            "message": message,
+                            "time": time.time(),
+                        },
+                    )
         return result
 
     LocalElasticAgent._monitor_workers = observed
@@ -196,8 +227,9 @@ def name_each_gang() -> bool:
 
     rendezvous = getattr(SimpleElasticAgent, "_rendezvous", None)
     if not callable(rendezvous):
-        log.warning("torch %s: SimpleElasticAgent._rendezvous is gone; gangs are named by their "
-                    "store address", _torch_version())
+        log.warning(
+            "torch %s: SimpleElasticAgent._rendezvous is gone; gangs are named by their store address", _torch_version()
+        )
         return False
 
     def named(self, worker_group):
@@ -205,8 +237,11 @@ def name_each_gang() -> bool:
         handler = worker_group.spec.rdzv_handler
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         round_ = getattr(state, "round", None)
-        name = (f"{handler.get_run_id()}:{round_}" if round_ is not None
-                else f"{worker_group.master_addr}:{worker_group.master_port}")
+        name = (
+            f"{handler.get_run_id()}:{round_}"
+            if round_ is not None
+            else f"{worker_group.master_addr}:{worker_group.master_port}"
+        )
         os.environ["TRAINFLOW_GANG"] = f"{name}:{_gang_nonce(worker_group)}"
         return result
 
@@ -237,8 +272,10 @@ def cheap_rendezvous_records() -> bool:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     if not callable(getattr(dr, "get_method_name", None)):
-        log.warning("torch %s: dynamic_rendezvous.get_method_name is gone; keeping torch's "
-                    "rendezvous event naming", _torch_version())
+        log.warning(
+            "torch %s: dynamic_rendezvous.get_method_name is gone; keeping torch's rendezvous event naming",
+            _torch_version(),
+        )
         return False
 
     def get_method_name(depth: int = 2) -> str:
@@ -263,13 +300,21 @@ def launch_config(plan: dict):
     spec, rdzv = plan["spec"], plan["rendezvous"]
     nodes = int(spec["nodes"]) if str(spec["nodes"]).isdigit() else None  # plans before elastic gangs
     return LaunchConfig(
-        min_nodes=rdzv.get("min_nodes", nodes), max_nodes=rdzv.get("max_nodes", nodes),
+        min_nodes=rdzv.get("min_nodes", nodes),
+        max_nodes=rdzv.get("max_nodes", nodes),
         nproc_per_node=spec["nproc_per_node"],
-        run_id=rdzv["id"], rdzv_backend=rdzv["backend"], rdzv_endpoint=rdzv["endpoint"],
-        rdzv_configs={"timeout": rdzv["timeout"], "join_timeout": rdzv["timeout"],
-                      "last_call_timeout": rdzv.get("last_call_timeout", 1),
-                      **{k: rdzv[k] for k in ("keep_alive_interval", "keep_alive_max_attempt") if k in rdzv}},
-        max_restarts=plan["max_restarts"], monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
+        run_id=rdzv["id"],
+        rdzv_backend=rdzv["backend"],
+        rdzv_endpoint=rdzv["endpoint"],
+        rdzv_configs={
+            "timeout": rdzv["timeout"],
+            "join_timeout": rdzv["timeout"],
+            "last_call_timeout": rdzv.get("last_call_timeout", 1),
+            **{k: rdzv[k] for k in ("keep_alive_interval", "keep_alive_max_attempt") if k in rdzv},
+        },
+        max_restarts=plan["max_restarts"],
+        monitor_interval=MONITOR_INTERVAL_S,
+        start_method="spawn",
         role="trainer",
         # The address peers reach this node at (the gang's store when it holds group rank
         # 0); default: torch's lookup of the hostname, wrong where hostnames do not resolve
@@ -297,7 +342,9 @@ def gang_below_full_size(plan: dict, node: int, *, now: float) -> bool:
     fresh = 3 * float(spec["heartbeat_interval"])
     return len(beats) == world and all(
         b.get("state") in (RankState.TRAINING.value, RankState.CHECKPOINTING.value)
-        and now - float(b.get("alive", b.get("time", 0))) <= fresh for b in beats.values())
+        and now - float(b.get("alive", b.get("time", 0))) <= fresh
+        for b in beats.values()
+    )
 
 
 def await_grow_window(plan: dict, node: int) -> str:
@@ -312,8 +359,11 @@ def await_grow_window(plan: dict, node: int) -> str:
     asked = time.time()
     request = control / f"grow-request-{node:04d}.json"
     write_json_atomic(request, {"node": node, "time": asked})
-    print(f"[node {node}] the gang trains without this node; asking to join at its next checkpoint",
-          file=sys.stderr, flush=True)
+    print(
+        f"[node {node}] the gang trains without this node; asking to join at its next checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while True:
             if completed(plan["run_dir"]):
@@ -323,8 +373,7 @@ def await_grow_window(plan: dict, node: int) -> str:
             except (OSError, ValueError):
                 ack = None
             if ack is not None and float(ack.get("time", 0)) >= asked:
-                print(f"[node {node}] joining at the checkpoint of step {ack.get('step')}",
-                      file=sys.stderr, flush=True)
+                print(f"[node {node}] joining at the checkpoint of step {ack.get('step')}", file=sys.stderr, flush=True)
                 return "ack"
             if not gang_below_full_size(plan, node, now=time.time()):
                 return "stopped"
@@ -342,7 +391,6 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
     import threading
 
     from trainflow.proctree import signal_tree
-
     from trainflow.remediation import abort_source, aborted
 
     complete = run_dir / "control" / COMPLETE
@@ -358,17 +406,32 @@ def _watch_abort(run_dir: Path, node: int, status_file: Path, started: float) ->
             # themselves within moments of the last step; whoever still waits is released.
             done_since = done_since or time.time()
             if time.time() - done_since >= RELEASE_AFTER_S:
-                write_json_atomic(status_file, {"node": node, "state": "released", "pid": os.getpid(),
-                                                "started": started, "ended": time.time()})
-                print(f"[node {node}] the run completed without this node's workers; released",
-                      file=sys.stderr, flush=True)
+                write_json_atomic(
+                    status_file,
+                    {"node": node, "state": "released", "pid": os.getpid(), "started": started, "ended": time.time()},
+                )
+                print(
+                    f"[node {node}] the run completed without this node's workers; released",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for child in _children():
                     signal_tree(child)
                 os._exit(0)
-        write_json_atomic(status_file, {"node": node, "state": "aborted", "pid": os.getpid(),
-                                        "started": started, "ended": time.time(), "error": reason.get("message")})
-        print(f"[node {node}] run aborted by {abort_source(reason)}: {reason.get('message')}",
-              file=sys.stderr, flush=True)
+        write_json_atomic(
+            status_file,
+            {
+                "node": node,
+                "state": "aborted",
+                "pid": os.getpid(),
+                "started": started,
+                "ended": time.time(),
+                "error": reason.get("message"),
+            },
+        )
+        print(
+            f"[node {node}] run aborted by {abort_source(reason)}: {reason.get('message')}", file=sys.stderr, flush=True
+        )
         for child in _children():
             signal_tree(child)
         os._exit(ABORT_EXIT_CODE)
@@ -392,8 +455,7 @@ def start_zygote(plan: dict, node: int) -> tuple[str, ...]:
     from trainflow.launch import zygote
 
     path = zygote.socket_path(plan["run_dir"], node)
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "serve", path,
-                             str(os.getpid())])
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "trainflow.launch.zygote", "serve", path, str(os.getpid())])
     os.environ["TRAINFLOW_ZYGOTE_SOCKET"] = path
     os.environ["TRAINFLOW_ZYGOTE_PID"] = str(proc.pid)
     return ("-u", "-m", "trainflow.launch.zygote", "run", "trainflow.worker.train")
@@ -419,8 +481,11 @@ def run(plan_path: Path, node: int) -> int:
 
     dropped = trim_this_process()
     if dropped:
-        print(f"[node {node}] {len(dropped)} environment variables kept from the workers "
-              f"(TRAINFLOW_WORKER_ENV_ALLOW adds names)", flush=True)
+        print(
+            f"[node {node}] {len(dropped)} environment variables kept from the workers "
+            f"(TRAINFLOW_WORKER_ENV_ALLOW adds names)",
+            flush=True,
+        )
     os.environ.update(agent_env(plan, node))
     # A tenant mapped to an OS user of its own (TRAINFLOW_TENANT_USERS): the workspace
     # becomes that user's (0700) and the workers drop to it before loading the workload.
@@ -430,8 +495,7 @@ def run(plan_path: Path, node: int) -> int:
     status_file = Path(plan["run_dir"]) / "nodes" / f"node-{node:04d}.json"
     status_file.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    write_json_atomic(status_file, {"node": node, "state": "running", "pid": os.getpid(),
-                                    "started": started})
+    write_json_atomic(status_file, {"node": node, "state": "running", "pid": os.getpid(), "started": started})
     _watch_abort(Path(plan["run_dir"]), node, status_file, started)
     os.environ.setdefault("LOGLEVEL", "INFO")  # torch elastic's own loggers read it
     from torch.distributed.launcher.api import elastic_launch
@@ -439,8 +503,7 @@ def run(plan_path: Path, node: int) -> int:
     if (poll_s := plan["rendezvous"].get("poll_interval")) is not None:  # older plans: torch's pace
         fast_rendezvous_polling(poll_s)
     cheap_rendezvous_records()
-    observe_worker_exits(Path(plan["run_dir"]), node,
-                         no_retry=frozenset(plan["spec"].get("exit_codes_no_retry") or ()))
+    observe_worker_exits(Path(plan["run_dir"]), node, no_retry=frozenset(plan["spec"].get("exit_codes_no_retry") or ()))
     if plan["rendezvous"]["backend"] == "trainflow-db":
         from trainflow.launch import rdzv_db
 
@@ -466,22 +529,40 @@ def run(plan_path: Path, node: int) -> int:
 
             zygote.wait_ready(os.environ["TRAINFLOW_ZYGOTE_SOCKET"], int(os.environ["TRAINFLOW_ZYGOTE_PID"]))
     if gang_below_full_size(plan, node, now=time.time()) and await_grow_window(plan, node) == "complete":
-        write_json_atomic(status_file, {"node": node, "state": "released", "pid": os.getpid(),
-                                        "started": started, "ended": time.time()})
+        write_json_atomic(
+            status_file,
+            {"node": node, "state": "released", "pid": os.getpid(), "started": started, "ended": time.time()},
+        )
         return 0
     try:
         elastic_launch(launch_config(plan), entrypoint=sys.executable)(*worker, "--run-dir", plan["run_dir"])
         if sealer is not None:
             sealer.finish(node)  # the last commits sealed; a short or checkpoint-less program fails here
     except BaseException as exc:  # noqa: BLE001 - recorded, then the agent fails
-        write_json_atomic(status_file, {"node": node, "state": "failed", "pid": os.getpid(),
-                                        "started": started, "ended": time.time(),
-                                        "error": f"{type(exc).__name__}: {exc}"[:4000]})
+        write_json_atomic(
+            status_file,
+            {
+                "node": node,
+                "state": "failed",
+                "pid": os.getpid(),
+                "started": started,
+                "ended": time.time(),
+                "error": f"{type(exc).__name__}: {exc}"[:4000],
+            },
+        )
         print(f"[node {node}] agent failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     stop = preempted(plan["run_dir"])  # the workers stopped at a checkpoint for a preemption
-    write_json_atomic(status_file, {"node": node, "state": "preempted" if stop and "step" in stop else "succeeded",
-                                    "pid": os.getpid(), "started": started, "ended": time.time()})
+    write_json_atomic(
+        status_file,
+        {
+            "node": node,
+            "state": "preempted" if stop and "step" in stop else "succeeded",
+            "pid": os.getpid(),
+            "started": started,
+            "ended": time.time(),
+        },
+    )
     return 0
 
 
@@ -489,9 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="trainflow node agent")
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--node", required=True, type=int)
-    parser.add_argument("--preflight-try", type=int, metavar="TRY",
-                        help="run the node's preflight first, as try TRY (pods: the agent runs "
-                             "on the chip host, where the Airflow task does not)")
+    parser.add_argument(
+        "--preflight-try",
+        type=int,
+        metavar="TRY",
+        help="run the node's preflight first, as try TRY (pods: the agent runs "
+        "on the chip host, where the Airflow task does not)",
+    )
     args = parser.parse_args(argv)
     if args.preflight_try is None:
         return run(args.plan, args.node)
@@ -506,8 +591,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight failed: {exc}", file=sys.stderr, flush=True)
         return PREFLIGHT_EXIT_CODE
     rc = run(args.plan, args.node)
-    attempt.end("succeeded" if rc == 0 else f"exit {rc}",
-                failure=None if rc == 0 else f"node {args.node} agent exited with code {rc}")
+    attempt.end(
+        "succeeded" if rc == 0 else f"exit {rc}",
+        failure=None if rc == 0 else f"node {args.node} agent exited with code {rc}",
+    )
     return rc
 
 

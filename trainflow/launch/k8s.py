@@ -100,27 +100,41 @@ class PodConfig:
         env = os.environ if env is None else env
         g = lambda k, d: env.get(f"TRAINFLOW_K8S_{k}", d)  # noqa: E731
         config = cls(
-            namespace=g("NAMESPACE", cls.namespace), image=g("IMAGE", ""),
+            namespace=g("NAMESPACE", cls.namespace),
+            image=g("IMAGE", ""),
             image_pull_policy=g("IMAGE_PULL_POLICY", cls.image_pull_policy),
             service_account=g("SERVICE_ACCOUNT", ""),
             node_selector=_json_env(env, "TRAINFLOW_K8S_NODE_SELECTOR", {}),
             tolerations=tuple(_json_env(env, "TRAINFLOW_K8S_TOLERATIONS", [])),
-            resource=g("RESOURCE", ""), workspace_claim=g("WORKSPACE_CLAIM", cls.workspace_claim),
+            resource=g("RESOURCE", ""),
+            workspace_claim=g("WORKSPACE_CLAIM", cls.workspace_claim),
             workspace_root=g("WORKSPACE_ROOT", env.get("TRAINFLOW_HOME") or _home()),
-            shm_size=g("SHM_SIZE", cls.shm_size), cpu=g("CPU", ""), memory=g("MEMORY", ""),
-            grace_s=int(g("GRACE_S", cls.grace_s)))
+            shm_size=g("SHM_SIZE", cls.shm_size),
+            cpu=g("CPU", ""),
+            memory=g("MEMORY", ""),
+            grace_s=int(g("GRACE_S", cls.grace_s)),
+        )
         if config.image_pull_policy not in ("IfNotPresent", "Always", "Never"):
-            raise ValueError(f"TRAINFLOW_K8S_IMAGE_PULL_POLICY={config.image_pull_policy!r}: "
-                             f"use IfNotPresent, Always or Never")
+            raise ValueError(
+                f"TRAINFLOW_K8S_IMAGE_PULL_POLICY={config.image_pull_policy!r}: use IfNotPresent, Always or Never"
+            )
         if not isinstance(config.node_selector, dict) or not all(
-                isinstance(v, str) for v in config.node_selector.values()):
+            isinstance(v, str) for v in config.node_selector.values()
+        ):
             raise ValueError("TRAINFLOW_K8S_NODE_SELECTOR must be a JSON object of strings")
         return config
 
 
-def build_pod(plan: Mapping[str, Any], node: int, *, try_number: int = 1,
-              cordoned: list[str] | tuple[str, ...] = (), config: PodConfig | None = None,
-              env: Mapping[str, str] | None = None, plan_path: str | None = None) -> dict[str, Any]:
+def build_pod(
+    plan: Mapping[str, Any],
+    node: int,
+    *,
+    try_number: int = 1,
+    cordoned: list[str] | tuple[str, ...] = (),
+    config: PodConfig | None = None,
+    env: Mapping[str, str] | None = None,
+    plan_path: str | None = None,
+) -> dict[str, Any]:
     """The Pod manifest of node ``node`` of ``plan`` (pure).
 
     Args:
@@ -143,10 +157,12 @@ def build_pod(plan: Mapping[str, Any], node: int, *, try_number: int = 1,
     plan_path = plan_path or os.path.join(plan["run_dir"], "plan.json")
     root = config.workspace_root.rstrip("/") + "/"
     if not plan["run_dir"].startswith(root):
-        raise ValueError(f"run_dir {plan['run_dir']} is not under the workspace volume mounted at "
-                         f"{config.workspace_root}: every node reads the plan and writes checkpoints "
-                         f"there; set TRAINFLOW_HOME (or TRAINFLOW_K8S_WORKSPACE_ROOT) to the shared "
-                         f"claim's mount path on the Airflow workers too")
+        raise ValueError(
+            f"run_dir {plan['run_dir']} is not under the workspace volume mounted at "
+            f"{config.workspace_root}: every node reads the plan and writes checkpoints "
+            f"there; set TRAINFLOW_HOME (or TRAINFLOW_K8S_WORKSPACE_ROOT) to the shared "
+            f"claim's mount path on the Airflow workers too"
+        )
     labels = {
         "app.kubernetes.io/name": "trainflow",
         "app.kubernetes.io/component": "node",
@@ -195,33 +211,56 @@ def build_pod(plan: Mapping[str, Any], node: int, *, try_number: int = 1,
         tolerations.append({"key": device_resource, "operator": "Exists", "effect": "NoSchedule"})
     affinity: dict[str, Any] = {
         # One node of a gang per host: members and spares never share a machine.
-        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-            "labelSelector": {"matchLabels": {"trainflow.io/gang": labels["trainflow.io/gang"]}},
-            "topologyKey": "kubernetes.io/hostname",
-        }]},
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {"trainflow.io/gang": labels["trainflow.io/gang"]}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        },
     }
     if cordoned:
-        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{
-                "key": "kubernetes.io/hostname", "operator": "NotIn", "values": sorted(set(cordoned)),
-            }]}],
-        }}
+        affinity["nodeAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {
+                                "key": "kubernetes.io/hostname",
+                                "operator": "NotIn",
+                                "values": sorted(set(cordoned)),
+                            }
+                        ]
+                    }
+                ],
+            }
+        }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # Airflow's retry replaces a failed node, as on hosts
         "terminationGracePeriodSeconds": config.grace_s,
-        "containers": [{
-            "name": CONTAINER,
-            "image": config.image or spec.get("image") or family.image,
-            "imagePullPolicy": config.image_pull_policy,
-            "command": [*AGENT_COMMAND, "--plan", plan_path, "--node", str(node),
-                        "--preflight-try", str(try_number)],
-            "env": container_env,
-            "resources": resources,
-            "volumeMounts": [
-                {"name": "dshm", "mountPath": "/dev/shm"},
-                {"name": "workspace", "mountPath": config.workspace_root},
-            ],
-        }],
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": config.image or spec.get("image") or family.image,
+                "imagePullPolicy": config.image_pull_policy,
+                "command": [
+                    *AGENT_COMMAND,
+                    "--plan",
+                    plan_path,
+                    "--node",
+                    str(node),
+                    "--preflight-try",
+                    str(try_number),
+                ],
+                "env": container_env,
+                "resources": resources,
+                "volumeMounts": [
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                    {"name": "workspace", "mountPath": config.workspace_root},
+                ],
+            }
+        ],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
             {"name": "workspace", "persistentVolumeClaim": {"claimName": config.workspace_claim}},
@@ -240,8 +279,11 @@ def build_pod(plan: Mapping[str, Any], node: int, *, try_number: int = 1,
             "name": pod_name(plan, node, try_number),
             "namespace": config.namespace,
             "labels": labels,
-            "annotations": {"trainflow.io/dag-id": plan["dag_id"], "trainflow.io/run-id": plan["run_id"],
-                            "trainflow.io/plan": plan_path},
+            "annotations": {
+                "trainflow.io/dag-id": plan["dag_id"],
+                "trainflow.io/run-id": plan["run_id"],
+                "trainflow.io/plan": plan_path,
+            },
         },
         "spec": pod_spec,
     }

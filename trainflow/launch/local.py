@@ -31,9 +31,15 @@ def embedded_env() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
-def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
-            run_id: str = "local", max_restarts: int | None = None,
-            rdzv_backend: str = "trainflow-db") -> Path:
+def prepare(
+    spec: TrainingSpec,
+    run_dir: Path,
+    *,
+    dag_id: str = "local",
+    run_id: str = "local",
+    max_restarts: int | None = None,
+    rdzv_backend: str = "trainflow-db",
+) -> Path:
     """Write spec.json and plan.json into ``run_dir``; return the plan's path.
 
     The gang's rendezvous is trainflow's PostgreSQL database when ``TRAINFLOW_STATE_DB``
@@ -57,8 +63,10 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
         state = default_target()
         if is_postgres(state):  # distributed: the rendezvous on trainflow's PostgreSQL database
             if redact(state) != state:
-                raise ValueError(f"TRAINFLOW_STATE_DB={redact(state)} carries a password, which would land "
-                                 f"in the run's plan (an XCom); give it through PGPASSWORD or ~/.pgpass")
+                raise ValueError(
+                    f"TRAINFLOW_STATE_DB={redact(state)} carries a password, which would land "
+                    f"in the run's plan (an XCom); give it through PGPASSWORD or ~/.pgpass"
+                )
             db = state
         else:  # embedded: a database in the run's workspace
             db = run_dir / "rendezvous.db"
@@ -66,9 +74,16 @@ def prepare(spec: TrainingSpec, run_dir: Path, *, dag_id: str = "local",
         rdzv_db.purge(db, rendezvous_id(spec.tenant, dag_id, run_id))
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-    plan = build_plan(spec, dag_id=dag_id, run_id=run_id, run_dir=str(run_dir),
-                      rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, env=embedded_env(),
-                      max_restarts=max_restarts)
+    plan = build_plan(
+        spec,
+        dag_id=dag_id,
+        run_id=run_id,
+        run_dir=str(run_dir),
+        rdzv_endpoint=endpoint,
+        rdzv_backend=rdzv_backend,
+        env=embedded_env(),
+        max_restarts=max_restarts,
+    )
     write_json_atomic(run_dir / "spec.json", spec.to_dict())
     write_json_atomic(run_dir / "plan.json", plan)
     return run_dir / "plan.json"
@@ -79,7 +94,10 @@ def start_agent(plan_path: Path, node: int, *, log_dir: Path | None = None) -> s
     out = open(log_dir / f"agent-{node}.log", "ab") if log_dir else None
     return subprocess.Popen(
         [sys.executable, "-m", "trainflow.launch.agent", "--plan", str(plan_path), "--node", str(node)],
-        stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        start_new_session=True,
+    )
 
 
 def start_agents(plan_path: Path, nodes: int, *, log_dir: Path | None = None) -> list[subprocess.Popen]:

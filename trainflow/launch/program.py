@@ -46,8 +46,9 @@ def decide(run_dir: Path, spec, world: int, gang: str) -> dict:
     from trainflow.checkpoint import manifest
     from trainflow.worker.train import crash_restarts
 
-    ref = manifest.newest_verified(run_dir / "checkpoints", training_hash=spec.training_hash(),
-                                   world_size=None if spec.elastic else world)
+    ref = manifest.newest_verified(
+        run_dir / "checkpoints", training_hash=spec.training_hash(), world_size=None if spec.elastic else world
+    )
     start = ref.step if ref else 0
     events = timeline.read(run_dir)
     attempt = sum(1 for e in events if e["event"] == "gang_start")
@@ -56,11 +57,18 @@ def decide(run_dir: Path, spec, world: int, gang: str) -> dict:
     if ref is not None:
         timeline.record(run_dir, "resumed", step=start, checkpoint=ref.path)
     if earlier >= spec.crash_loop_limit:
-        raise CrashLoopError(f"crash loop: the gang restarted {earlier} times from step {start} without "
-                             f"reaching a newer checkpoint (crash_loop_limit={spec.crash_loop_limit}); "
-                             f"stopping instead of retrying")
-    decision = {"gang": gang, "attempt": attempt, "resume_from": ref.path if ref else "",
-                "step": start, "time": time.time()}
+        raise CrashLoopError(
+            f"crash loop: the gang restarted {earlier} times from step {start} without "
+            f"reaching a newer checkpoint (crash_loop_limit={spec.crash_loop_limit}); "
+            f"stopping instead of retrying"
+        )
+    decision = {
+        "gang": gang,
+        "attempt": attempt,
+        "resume_from": ref.path if ref else "",
+        "step": start,
+        "time": time.time(),
+    }
     write_json_atomic(run_dir / "control" / GANG_FILE, decision)
     return decision
 
@@ -124,24 +132,35 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError):
         plan_run_id = run_dir.name
     try:
-        decision = (decide(run_dir, spec, world, gang) if rank == 0
-                    else await_decision(run_dir, gang, timeout=spec.startup_timeout))
+        decision = (
+            decide(run_dir, spec, world, gang)
+            if rank == 0
+            else await_decision(run_dir, gang, timeout=spec.startup_timeout)
+        )
     except CrashLoopError as exc:
         from trainflow.bounds import clip
         from trainflow.timeline import record
 
         record(run_dir, "crash_loop", rank=rank, message=clip(exc))
-        abort(run_dir, {"rank": rank, "kind": "crash_loop", "type": "CrashLoopError", "message": clip(exc),
-                        "time": time.time()})
+        abort(
+            run_dir,
+            {"rank": rank, "kind": "crash_loop", "type": "CrashLoopError", "message": clip(exc), "time": time.time()},
+        )
         print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
         return 3
     env = {**os.environ, **spec.program_env, **contract(run_dir, spec, decision, plan_run_id)}
-    values = {"checkpoint_dir": env["TRAINFLOW_CHECKPOINT_DIR"], "resume_from": env["TRAINFLOW_RESUME_FROM"],
-              "run_id": plan_run_id, "attempt": env["TRAINFLOW_ATTEMPT"]}
+    values = {
+        "checkpoint_dir": env["TRAINFLOW_CHECKPOINT_DIR"],
+        "resume_from": env["TRAINFLOW_RESUME_FROM"],
+        "run_id": plan_run_id,
+        "attempt": env["TRAINFLOW_ATTEMPT"],
+    }
     command = resolve(spec.program, values)
     if rank == 0 and decision["resume_from"]:
-        print(f"[rank 0] resuming from verified checkpoint step {decision['step']} "
-              f"({decision['resume_from']})", flush=True)
+        print(
+            f"[rank 0] resuming from verified checkpoint step {decision['step']} ({decision['resume_from']})",
+            flush=True,
+        )
     os.chdir(spec.working_dir or run_dir)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -151,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainflow.bounds import clip
 
         message = f"cannot start program {command[0]!r}: {exc}"
-        abort(run_dir, {"rank": rank, "kind": "user", "type": type(exc).__name__, "message": clip(message),
-                        "time": time.time()})
+        abort(
+            run_dir,
+            {"rank": rank, "kind": "user", "type": type(exc).__name__, "message": clip(message), "time": time.time()},
+        )
         print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         return 3
     return 0  # not reached: exec replaced this process

@@ -44,8 +44,7 @@ CREATE TABLE IF NOT EXISTS rdzv_kv (
 );
 """
 
-_UPSERT = ("INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) "
-           "DO UPDATE SET value = excluded.value")
+_UPSERT = "INSERT INTO rdzv_kv VALUES (?, ?, ?) ON CONFLICT(run_id, key) DO UPDATE SET value = excluded.value"
 
 # Between reads of a key another agent has not written yet (the store's blocking get/wait).
 POLL_S = 0.01
@@ -69,9 +68,11 @@ def database(endpoint: str) -> Path | str:
     if is_postgres(endpoint):
         return endpoint
     if not endpoint.startswith("sqlite:///"):
-        raise ValueError(f"rendezvous endpoint {endpoint!r} is not a database trainflow-db can use: "
-                         f"expected sqlite:////absolute/path.db or postgresql://user@host/db")
-    return Path(endpoint[len("sqlite:///"):])
+        raise ValueError(
+            f"rendezvous endpoint {endpoint!r} is not a database trainflow-db can use: "
+            f"expected sqlite:////absolute/path.db or postgresql://user@host/db"
+        )
+    return Path(endpoint[len("sqlite:///") :])
 
 
 def reachable(endpoint: str, timeout: float = 5.0) -> str:
@@ -145,21 +146,27 @@ class DBRendezvousBackend(_backend_base()):
         return BACKEND
 
     def get_state(self) -> tuple[bytes, int] | None:
-        row = self._con.execute("SELECT state, version FROM rdzv_state WHERE run_id = ?",
-                                (self.run_id,)).fetchone()
+        row = self._con.execute("SELECT state, version FROM rdzv_state WHERE run_id = ?", (self.run_id,)).fetchone()
         return None if row is None else (bytes(row[0]), row[1])
 
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool]:
         with _transaction(self._con) as con:
             if token is None:
-                written = con.execute("INSERT INTO rdzv_state VALUES (?, ?, 1) ON CONFLICT DO NOTHING",
-                                      (self.run_id, state)).rowcount == 1
+                written = (
+                    con.execute(
+                        "INSERT INTO rdzv_state VALUES (?, ?, 1) ON CONFLICT DO NOTHING", (self.run_id, state)
+                    ).rowcount
+                    == 1
+                )
             else:
-                written = con.execute(
-                    "UPDATE rdzv_state SET state = ?, version = version + 1 "
-                    "WHERE run_id = ? AND version = ?", (state, self.run_id, token)).rowcount == 1
-            row = con.execute("SELECT state, version FROM rdzv_state WHERE run_id = ?",
-                              (self.run_id,)).fetchone()
+                written = (
+                    con.execute(
+                        "UPDATE rdzv_state SET state = ?, version = version + 1 WHERE run_id = ? AND version = ?",
+                        (state, self.run_id, token),
+                    ).rowcount
+                    == 1
+                )
+            row = con.execute("SELECT state, version FROM rdzv_state WHERE run_id = ?", (self.run_id,)).fetchone()
         return bytes(row[0]), row[1], written
 
 
@@ -182,8 +189,9 @@ class DBStore(_store_base()):
         if not keys:
             return {}
         marks = ",".join("?" * len(keys))
-        rows = self._con.execute(f"SELECT key, value FROM rdzv_kv WHERE run_id = ? AND key IN ({marks})",
-                                 (self.run_id, *keys)).fetchall()
+        rows = self._con.execute(
+            f"SELECT key, value FROM rdzv_kv WHERE run_id = ? AND key IN ({marks})", (self.run_id, *keys)
+        ).fetchall()
         return {k: bytes(v) for k, v in rows}
 
     def _await(self, keys: list[str], timeout: timedelta | None = None) -> dict[str, bytes]:
@@ -197,8 +205,7 @@ class DBStore(_store_base()):
                 from torch.distributed import DistStoreError
 
                 missing = sorted(set(keys) - set(found))
-                raise DistStoreError(f"rendezvous store {self.run_id}: keys {missing} not set "
-                                   f"within {limit:g}s")
+                raise DistStoreError(f"rendezvous store {self.run_id}: keys {missing} not set within {limit:g}s")
             time.sleep(POLL_S)
 
     @staticmethod
@@ -210,8 +217,7 @@ class DBStore(_store_base()):
 
     def multi_set(self, keys: list[str], values: list) -> None:
         with _transaction(self._con) as con:
-            con.executemany(_UPSERT, [(self.run_id, k, self._bytes(v))
-                                      for k, v in zip(keys, values, strict=True)])
+            con.executemany(_UPSERT, [(self.run_id, k, self._bytes(v)) for k, v in zip(keys, values, strict=True)])
 
     def get(self, key: str) -> bytes:
         return self._await([key])[key]
@@ -223,8 +229,7 @@ class DBStore(_store_base()):
     def add(self, key: str, amount: int) -> int:
         """Atomic add to an integer kept as ASCII digits (TCPStore's encoding)."""
         with _transaction(self._con) as con:
-            row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?",
-                              (self.run_id, key)).fetchone()
+            row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?", (self.run_id, key)).fetchone()
             value = (int(bytes(row[0])) if row else 0) + int(amount)
             con.execute(_UPSERT, (self.run_id, key, str(value).encode()))
         return value
@@ -234,8 +239,7 @@ class DBStore(_store_base()):
         is empty); returns the value it holds afterwards (TCPStore's semantics)."""
         expected, desired = self._bytes(expected), self._bytes(desired)
         with _transaction(self._con) as con:
-            row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?",
-                              (self.run_id, key)).fetchone()
+            row = con.execute("SELECT value FROM rdzv_kv WHERE run_id = ? AND key = ?", (self.run_id, key)).fetchone()
             current = None if row is None else bytes(row[0])
             if (current is None and expected == b"") or current == expected:
                 con.execute(_UPSERT, (self.run_id, key, desired))
@@ -249,8 +253,7 @@ class DBStore(_store_base()):
         return len(self._read(list(keys))) == len(set(keys))
 
     def delete_key(self, key: str) -> bool:
-        return self._con.execute("DELETE FROM rdzv_kv WHERE run_id = ? AND key = ?",
-                                 (self.run_id, key)).rowcount == 1
+        return self._con.execute("DELETE FROM rdzv_kv WHERE run_id = ? AND key = ?", (self.run_id, key)).rowcount == 1
 
 
 def create_handler(params):
@@ -262,15 +265,15 @@ def create_handler(params):
     db = database(params.endpoint)
     timeout = timedelta(seconds=float(params.get("store_timeout", 300)))
     handler = create(DBStore(db, params.run_id, timeout), DBRendezvousBackend(db, params.run_id), params)
-    if all(hasattr(handler, name) for name in ("_stop_heartbeats", "_op_executor", "_get_deadline",
-                                               "_settings")):
+    if all(hasattr(handler, name) for name in ("_stop_heartbeats", "_op_executor", "_get_deadline", "_settings")):
         handler.shutdown = types.MethodType(_leave, handler)
     else:
         import logging
 
         logging.getLogger(__name__).warning(
             "torch elastic's rendezvous handler changed: an agent that ends will close the "
-            "rendezvous (a retried node cannot rejoin)")
+            "rendezvous (a retried node cannot rejoin)"
+        )
     return handler
 
 
@@ -280,8 +283,7 @@ def _leave(handler) -> bool:
 
     handler._stop_heartbeats()
     try:
-        handler._op_executor.run(_RendezvousExitOp(),
-                                 handler._get_deadline(handler._settings.timeout.close))
+        handler._op_executor.run(_RendezvousExitOp(), handler._get_deadline(handler._settings.timeout.close))
         return True
     except Exception:  # noqa: BLE001 - leaving is best effort: the keep-alive expires anyway
         return False

@@ -63,9 +63,12 @@ def for_tenant(tenant: str, env=None) -> tuple[int, int] | None:
     """
     ids = tenant_users(env).get(tenant)
     if ids is not None and os.geteuid() != 0:
-        raise SpecError(VAR, f"{tenant}={ids[0]}",
-                        f"maps tenant {tenant!r} to another user, but this process runs as uid "
-                        f"{os.geteuid()}: run the Celery worker as root, or unset {VAR}")
+        raise SpecError(
+            VAR,
+            f"{tenant}={ids[0]}",
+            f"maps tenant {tenant!r} to another user, but this process runs as uid "
+            f"{os.geteuid()}: run the Celery worker as root, or unset {VAR}",
+        )
     return ids
 
 
@@ -86,8 +89,12 @@ def give_workspace(run_dir: Path, ids: tuple[int, int]) -> None:
 def env_for(run_dir: Path, ids: tuple[int, int]) -> dict[str, str]:
     """What a process that drops to ``ids`` needs in its environment."""
     uid, gid = ids
-    return {RUN_AS: f"{uid}:{gid}", "HOME": str(Path(run_dir) / "home"), "USER": f"tenant-{uid}",
-            "LOGNAME": f"tenant-{uid}"}
+    return {
+        RUN_AS: f"{uid}:{gid}",
+        "HOME": str(Path(run_dir) / "home"),
+        "USER": f"tenant-{uid}",
+        "LOGNAME": f"tenant-{uid}",
+    }
 
 
 def hand_over(run_dir: Path, tenant: str) -> dict[str, str]:
@@ -124,7 +131,7 @@ def drop_privileges() -> tuple[int, int] | None:
         folder.mkdir(parents=True, exist_ok=True)
         chain = [folder, *folder.parents]
         top = next((i for i, p in enumerate(chain) if p.name.startswith("torchelastic_")), 0)
-        for path in chain[:top + 1]:  # the agent's folder serves this run alone
+        for path in chain[: top + 1]:  # the agent's folder serves this run alone
             os.chown(path, uid, gid)
     os.setgroups([gid])
     os.setgid(gid)

@@ -116,17 +116,30 @@ class Sealer:
             began = max(float(r.get("time", time.time())) for r in ranks)
             try:
                 self._adopt(step, {r["source"] for r in ranks if r.get("source")})
-                ref = manifest.commit(self.root, step, world_size=len(ranks),
-                                      training_hash=self.spec.training_hash(), extra={"program": True})
+                ref = manifest.commit(
+                    self.root,
+                    step,
+                    world_size=len(ranks),
+                    training_hash=self.spec.training_hash(),
+                    extra={"program": True},
+                )
             except (CheckpointError, OSError) as exc:
                 record(self.run_dir, "checkpoint_failed", step=step, error=str(exc)[:500])
                 log.warning("checkpoint of step %s not sealed: %s", step, exc)
             else:
                 sealed.append(ref)
-                record(self.run_dir, "checkpoint_committed", step=step,
-                       latency_s=round(time.time() - began, 3), bytes=ref.bytes)
-                print(f"step {step}/{self.spec.steps} checkpoint verified ({ref.bytes} bytes, manifest "
-                      f"{ref.manifest_sha256[:12]})", flush=True)
+                record(
+                    self.run_dir,
+                    "checkpoint_committed",
+                    step=step,
+                    latency_s=round(time.time() - began, 3),
+                    bytes=ref.bytes,
+                )
+                print(
+                    f"step {step}/{self.spec.steps} checkpoint verified ({ref.bytes} bytes, manifest "
+                    f"{ref.manifest_sha256[:12]})",
+                    flush=True,
+                )
                 self.prune()
             finally:
                 shutil.rmtree(marks, ignore_errors=True)
@@ -168,15 +181,22 @@ class Sealer:
                 target.mkdir()
                 os.rename(entry, target / name)
             try:
-                ref = manifest.commit(self.root, step, world_size=self._world(),
-                                      training_hash=self.spec.training_hash(), extra={"program": True, "layout": kind})
+                ref = manifest.commit(
+                    self.root,
+                    step,
+                    world_size=self._world(),
+                    training_hash=self.spec.training_hash(),
+                    extra={"program": True, "layout": kind},
+                )
             except (CheckpointError, OSError) as exc:
                 record(self.run_dir, "checkpoint_failed", step=step, error=str(exc)[:500], layout=kind)
                 continue
             sealed.append(ref)
             record(self.run_dir, "checkpoint_committed", step=step, bytes=ref.bytes, layout=kind)
-            print(f"step {step} {kind} checkpoint verified ({ref.bytes} bytes, manifest "
-                  f"{ref.manifest_sha256[:12]})", flush=True)
+            print(
+                f"step {step} {kind} checkpoint verified ({ref.bytes} bytes, manifest {ref.manifest_sha256[:12]})",
+                flush=True,
+            )
             self.prune()
         return sealed
 
@@ -201,10 +221,23 @@ class Sealer:
             if not mine:
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, {"rank": rank, "node": self.node, "step": step, "total": self.spec.steps,
-                                     "state": RankState.TRAINING.value, "time": now, "alive": now,
-                                     "progress_time": since, "started": self._started, "phase": "program",
-                                     "phase_since": self._started, "source": "agent"})
+            write_json_atomic(
+                path,
+                {
+                    "rank": rank,
+                    "node": self.node,
+                    "step": step,
+                    "total": self.spec.steps,
+                    "state": RankState.TRAINING.value,
+                    "time": now,
+                    "alive": now,
+                    "progress_time": since,
+                    "started": self._started,
+                    "phase": "program",
+                    "phase_since": self._started,
+                    "source": "agent",
+                },
+            )
 
     def _world(self) -> int:
         return int(os.environ.get("TRAINFLOW_WORLD_SIZE") or self.spec.world_size)
@@ -227,7 +260,7 @@ class Sealer:
     def prune(self) -> None:
         """Keep the ``keep_last`` newest sealed checkpoints (partials of later steps, still
         being written, are left alone)."""
-        for _, path in manifest.list_checkpoints(self.root)[self.spec.keep_last:]:
+        for _, path in manifest.list_checkpoints(self.root)[self.spec.keep_last :]:
             shutil.rmtree(path, ignore_errors=True)
 
     def finish(self, node: int) -> None:
@@ -258,26 +291,37 @@ class Sealer:
             except (OSError, ValueError):
                 order = {}
             if not (self.run_dir / "control" / PREEMPTED).exists():
-                write_json_atomic(self.run_dir / "control" / PREEMPTED,
-                                  {"step": newest.step, "time": time.time(), "by": order.get("by")})
+                write_json_atomic(
+                    self.run_dir / "control" / PREEMPTED,
+                    {"step": newest.step, "time": time.time(), "by": order.get("by")},
+                )
                 record(self.run_dir, "preempted", step=newest.step, by=order.get("by"), program=True)
             return
         for rank, beat in beats.items():  # this node's ranks are done (the hang watch reads it)
             if beat.get("node") == node and beat.get("state") != RankState.DONE.value:
-                write_json_atomic(self.run_dir / "heartbeats" / f"rank-{rank:05d}.json",
-                                  {**beat, "state": RankState.DONE.value, "time": time.time(),
-                                   "alive": time.time()})
+                write_json_atomic(
+                    self.run_dir / "heartbeats" / f"rank-{rank:05d}.json",
+                    {**beat, "state": RankState.DONE.value, "time": time.time(), "alive": time.time()},
+                )
         problem = None
         if reported is not None and reported < self.spec.steps:
-            problem = (f"the program exited 0 after reporting step {reported} of the {self.spec.steps} "
-                       f"the spec asks for; make it train every step, or lower steps")
+            problem = (
+                f"the program exited 0 after reporting step {reported} of the {self.spec.steps} "
+                f"the spec asks for; make it train every step, or lower steps"
+            )
         elif newest is None:
-            problem = ("the program exited 0 but left no verified checkpoint: save with "
-                       "trainflow.sdk.checkpoint(step) (every rank commits) at least at the end")
+            problem = (
+                "the program exited 0 but left no verified checkpoint: save with "
+                "trainflow.sdk.checkpoint(step) (every rank commits) at least at the end"
+            )
         if problem:
-            abort(self.run_dir, {"node": node, "kind": "user", "type": "ProgramOutcome", "message": problem,
-                                 "time": time.time()})
+            abort(
+                self.run_dir,
+                {"node": node, "kind": "user", "type": "ProgramOutcome", "message": problem, "time": time.time()},
+            )
             record(self.run_dir, "user_error", node=node, message=problem)
             raise RuntimeError(problem)
-        write_json_atomic(self.run_dir / "control" / COMPLETE, {"step": reported or self.spec.steps,
-                                                                "time": time.time(), "program": True})
+        write_json_atomic(
+            self.run_dir / "control" / COMPLETE,
+            {"step": reported or self.spec.steps, "time": time.time(), "program": True},
+        )

@@ -87,12 +87,23 @@ def _recv(conn: socket.socket, nfds: int = 0) -> tuple[dict | None, list[int]]:
 # What the zygote imports before it forks: the training stack and the built-in workloads'
 # dependencies (optional ones are skipped when not installed).
 PRELOAD = (
-    "torch", "torch.distributed", "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "torch.nn.parallel",
-    "numpy", "sklearn.datasets",
-    "trainflow.worker.train", "trainflow.checkpoint.dcp", "trainflow.checkpoint.manifest",
-    "trainflow.data", "trainflow.faults", "trainflow.heartbeat", "trainflow.chips.registry",
-    "trainflow.workloads.digits", "trainflow.workloads.tinylm",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "numpy",
+    "sklearn.datasets",
+    "trainflow.worker.train",
+    "trainflow.checkpoint.dcp",
+    "trainflow.checkpoint.manifest",
+    "trainflow.data",
+    "trainflow.faults",
+    "trainflow.heartbeat",
+    "trainflow.chips.registry",
+    "trainflow.workloads.digits",
+    "trainflow.workloads.tinylm",
 )
 
 
@@ -235,8 +246,7 @@ def run(module: str, argv: list[str]) -> int:
     plain = [sys.executable, "-u", "-m", module, *argv]
     if conn is None:  # no zygote: be the plain worker
         os.execv(sys.executable, plain)
-    _send(conn, {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()},
-          fds=[0, 1, 2])
+    _send(conn, {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, fds=[0, 1, 2])
     reply, _ = _recv(conn)
     if reply is None or "pid" not in reply:
         print("trainflow zygote dropped the worker start; starting it the plain way", file=sys.stderr)
@@ -311,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(argv[1], int(argv[2]))
     if argv[:1] == ["run"] and len(argv) >= 2:
         return run(argv[1], argv[2:])
-    print("usage: python -m trainflow.launch.zygote serve SOCKET AGENT_PID | run MODULE ARGS...",
-          file=sys.stderr)
+    print("usage: python -m trainflow.launch.zygote serve SOCKET AGENT_PID | run MODULE ARGS...", file=sys.stderr)
     return 2
 
 

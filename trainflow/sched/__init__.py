@@ -9,5 +9,17 @@ from trainflow.sched.model import Decision, Node, Policy, Pool, Preempt, Request
 from trainflow.sched.policy import decide
 from trainflow.sched.state import Occupancy, Queue
 
-__all__ = ["Decision", "Node", "Occupancy", "Policy", "Pool", "Preempt", "Queue", "Request", "Running",
-           "Start", "Waiting", "decide"]
+__all__ = [
+    "Decision",
+    "Node",
+    "Occupancy",
+    "Policy",
+    "Pool",
+    "Preempt",
+    "Queue",
+    "Request",
+    "Running",
+    "Start",
+    "Waiting",
+    "decide",
+]

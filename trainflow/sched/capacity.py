@@ -58,8 +58,7 @@ class FreeMap:
             self.set(i, self.free[i] + chips)
 
 
-def place(free: FreeMap, nodes: int, chips: int, racks: Sequence[str | None] | None = None
-          ) -> tuple[int, ...] | None:
+def place(free: FreeMap, nodes: int, chips: int, racks: Sequence[str | None] | None = None) -> tuple[int, ...] | None:
     """Where a gang of ``nodes`` × ``chips`` goes now, or None if it does not fit.
 
     Exactly ``nodes`` distinct nodes (a gang is never split further). Best fit: the nodes
@@ -82,14 +81,17 @@ def place(free: FreeMap, nodes: int, chips: int, racks: Sequence[str | None] | N
     for v, i in best:
         # A node without a rack label shares a rack with no other node.
         by_rack.setdefault(racks[i] if racks[i] is not None else ("node", i), []).append((v, i))
-    whole = [(sum(v for v, _ in members[:nodes]), members[0][1], key)
-             for key, members in by_rack.items() if len(members) >= nodes]
+    whole = [
+        (sum(v for v, _ in members[:nodes]), members[0][1], key)
+        for key, members in by_rack.items()
+        if len(members) >= nodes
+    ]
     if whole:
         _, _, key = min(whole)
         return tuple(sorted(i for _, i in by_rack[key][:nodes]))
     chosen: list[int] = []
     for members in sorted(by_rack.values(), key=lambda m: (-len(m), sum(v for v, _ in m), m[0][1])):
-        chosen.extend(i for _, i in members[:nodes - len(chosen)])
+        chosen.extend(i for _, i in members[: nodes - len(chosen)])
         if len(chosen) == nodes:
             break
     return tuple(sorted(chosen))

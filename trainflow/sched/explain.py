@@ -46,14 +46,20 @@ class View:
 class Fifo(View):
     def reason(self, position: int, request: Request) -> str:
         if position and self.free.fits(request.nodes, request.chips_per_node):
-            return (f"fits now, but fifo keeps arrival order: {_behind(position)}, "
-                    f"{self._order[0].id!r} first")
+            return f"fits now, but fifo keeps arrival order: {_behind(position)}, {self._order[0].id!r} first"
         return super().reason(position, request)
 
 
 class Backfill(View):
-    def __init__(self, free: FreeMap, tail: Sequence[Request], started: set[str],
-                 reservation: Reservation | None, now: float, window: int) -> None:
+    def __init__(
+        self,
+        free: FreeMap,
+        tail: Sequence[Request],
+        started: set[str],
+        reservation: Reservation | None,
+        now: float,
+        window: int,
+    ) -> None:
         super().__init__(free, tail)
         self.now = now
         self._started = started
@@ -82,8 +88,10 @@ class Backfill(View):
             return f"{base}; {head!r} has no reservation, so nothing is backfilled past it"
         late = self.now + request.estimate > res.at
         if late and not res.spare.fits(request.nodes, request.chips_per_node):
-            return (f"{base}; starting now would delay {head!r} (reserved at t={res.at:g}): it would "
-                    f"run until after that and needs chips reserved for it")
+            return (
+                f"{base}; starting now would delay {head!r} (reserved at t={res.at:g}): it would "
+                f"run until after that and needs chips reserved for it"
+            )
         return f"{base}; beyond the backfill window ({self.window} requests after {head!r}); {_behind(position)}"
 
 
@@ -96,8 +104,9 @@ class Priority(View):
 
 
 class Fairshare(View):
-    def __init__(self, free: FreeMap, left: Mapping[str, Sequence[Request]], usage: Mapping[str, int],
-                 quotas: Mapping[str, int]) -> None:
+    def __init__(
+        self, free: FreeMap, left: Mapping[str, Sequence[Request]], usage: Mapping[str, int], quotas: Mapping[str, int]
+    ) -> None:
         super().__init__(free, ())
         self._left, self.usage, self.quotas = left, usage, quotas
         self._ahead: dict[str, int] | None = None
@@ -122,6 +131,8 @@ class Fairshare(View):
         elif used + request.chips <= q:
             text += "within its quota (it may reclaim only from tenants over theirs)"
         else:
-            text += (f"would borrow {used + request.chips - q} chips beyond its quota: borrowers wait "
-                     f"while a request within its quota waits, least-served tenant first")
+            text += (
+                f"would borrow {used + request.chips - q} chips beyond its quota: borrowers wait "
+                f"while a request within its quota waits, least-served tenant first"
+            )
         return f"{text}; position {position}"

@@ -29,7 +29,7 @@ class Policy(str, enum.Enum):
     @classmethod
     def parse(cls, value: Policy | str) -> Policy:
         """Raises:
-            SpecError: not one of the policies."""
+        SpecError: not one of the policies."""
         try:
             return cls(value)
         except ValueError:
@@ -72,8 +72,9 @@ class Pool:
         if not isinstance(count, int) or count < 1:
             raise SpecError("capacity", count, "give the pool's size in nodes, at least 1")
         per = math.ceil(count / racks) if racks else 0
-        return cls(nodes=tuple(Node(chips=chips, labels={"rack": f"rack-{i // per}"} if racks else {})
-                               for i in range(count)))
+        return cls(
+            nodes=tuple(Node(chips=chips, labels={"rack": f"rack-{i // per}"} if racks else {}) for i in range(count))
+        )
 
     @cached_property
     def total_chips(self) -> int:
@@ -105,14 +106,22 @@ class Pool:
         """
         c = request.chips_per_node
         if c > self.max_chips:
-            raise SpecError("chips_per_node", c, f"request {request.id!r}: the largest node has "
-                            f"{self.max_chips} chips; ask for at most {self.max_chips} per node "
-                            f"(and more nodes)")
+            raise SpecError(
+                "chips_per_node",
+                c,
+                f"request {request.id!r}: the largest node has "
+                f"{self.max_chips} chips; ask for at most {self.max_chips} per node "
+                f"(and more nodes)",
+            )
         able = len(self.capable(c))
         if request.nodes > able:
-            raise SpecError("nodes", request.nodes, f"request {request.id!r}: the pool has {able} nodes "
-                            f"with {c} chips or more ({self.total_chips} chips in all); ask for at most "
-                            f"{able} nodes of {c} chips")
+            raise SpecError(
+                "nodes",
+                request.nodes,
+                f"request {request.id!r}: the pool has {able} nodes "
+                f"with {c} chips or more ({self.total_chips} chips in all); ask for at most "
+                f"{able} nodes of {c} chips",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,5 +256,7 @@ class Decision:
     def summary(self) -> str:
         """One line with the numbers behind the decision (for logs)."""
         head = f"; next: {self.queue[0].id} ({self.context.reason(0, self.queue[0])})" if self.queue else ""
-        return (f"{self.policy.value} at t={self.now:g}: start {len(self.start)}, preempt "
-                f"{len(self.preempt)}, waiting {len(self.queue)}{head}")
+        return (
+            f"{self.policy.value} at t={self.now:g}: start {len(self.start)}, preempt "
+            f"{len(self.preempt)}, waiting {len(self.queue)}{head}"
+        )

@@ -49,9 +49,16 @@ class _Ctx:
     window: int
 
 
-def decide(policy: Policy | str, *, pool: Pool, running: Sequence[Running] | Occupancy,
-           waiting: Sequence[Request] | Queue, now: float, quotas: Mapping[str, int] | None = None,
-           backfill_window: int = DEFAULT_BACKFILL_WINDOW) -> Decision:
+def decide(
+    policy: Policy | str,
+    *,
+    pool: Pool,
+    running: Sequence[Running] | Occupancy,
+    waiting: Sequence[Request] | Queue,
+    now: float,
+    quotas: Mapping[str, int] | None = None,
+    backfill_window: int = DEFAULT_BACKFILL_WINDOW,
+) -> Decision:
     """Decide what starts and what is preempted now.
 
     Args:
@@ -102,7 +109,7 @@ def _fifo(ctx: _Ctx) -> Decision:
             break
         free.take(p, r.chips_per_node)
         starts.append(Start(r, p))
-    order = ctx.queue.arrival[len(starts):]
+    order = ctx.queue.arrival[len(starts) :]
     return Decision(ctx.policy, ctx.now, tuple(starts), (), context=explain.Fifo(free, order))
 
 
@@ -216,21 +223,25 @@ def _priority(ctx: _Ctx) -> Decision:
         after: tuple[str, ...] = ()
         if p is None:
             lower = any(p < r.priority for p in ctx.occ.priorities)
-            vs = victims(ctx.pool, free, ctx.occ.on_node, r,
-                         lambda run, prio=r.priority: run.request.priority < prio, gone) if lower else None
+            vs = (
+                victims(
+                    ctx.pool, free, ctx.occ.on_node, r, lambda run, prio=r.priority: run.request.priority < prio, gone
+                )
+                if lower
+                else None
+            )
             if vs is None:
                 break
             for v in vs:
                 free.give(v.placement, v.request.chips_per_node)
                 gone.add(v.request.id)
-                preempts.append(Preempt(v, f"preempted for {r.id!r} (priority {r.priority} > "
-                                           f"{v.request.priority})"))
+                preempts.append(Preempt(v, f"preempted for {r.id!r} (priority {r.priority} > {v.request.priority})"))
             after = tuple(v.request.id for v in vs)
             p = place(free, r.nodes, r.chips_per_node, ctx.pool.racks)
             assert p is not None, (r, vs)
         free.take(p, r.chips_per_node)
         starts.append(Start(r, p, after))
-    order = ctx.queue.by_priority[len(starts):]
+    order = ctx.queue.by_priority[len(starts) :]
     return Decision(ctx.policy, ctx.now, tuple(starts), tuple(preempts), context=explain.Priority(free, order))
 
 
@@ -273,14 +284,22 @@ def _fairshare(ctx: _Ctx) -> Decision:
         after: tuple[str, ...] = ()
         if p is None and not borrows:
             over = {u for u, used in usage.items() if used > quotas.get(u, 0)}
-            vs = victims(ctx.pool, free, ctx.occ.on_node, r,
-                         lambda run: run.request.tenant in over, gone) if over else None
+            vs = (
+                victims(ctx.pool, free, ctx.occ.on_node, r, lambda run: run.request.tenant in over, gone)
+                if over
+                else None
+            )
             if vs:
                 for v in vs:
                     u = v.request.tenant
-                    preempts.append(Preempt(v, f"reclaimed for {r.id!r} of tenant {t!r} (holds {usage.get(t, 0)} "
-                                               f"of its {quotas.get(t, 0)}-chip quota): tenant {u!r} holds "
-                                               f"{usage[u]}, over its quota of {quotas.get(u, 0)}"))
+                    preempts.append(
+                        Preempt(
+                            v,
+                            f"reclaimed for {r.id!r} of tenant {t!r} (holds {usage.get(t, 0)} "
+                            f"of its {quotas.get(t, 0)}-chip quota): tenant {u!r} holds "
+                            f"{usage[u]}, over its quota of {quotas.get(u, 0)}",
+                        )
+                    )
                     free.give(v.placement, v.request.chips_per_node)
                     usage[u] -= v.request.chips
                     gone.add(v.request.id)
@@ -297,10 +316,9 @@ def _fairshare(ctx: _Ctx) -> Decision:
         usage[t] = usage.get(t, 0) + r.chips
         nxt[t] += 1
         starts.append(Start(r, p, after))
-    left = {t: reqs[nxt[t]:] for t, reqs in by_tenant.items() if nxt[t] < len(reqs)}
+    left = {t: reqs[nxt[t] :] for t, reqs in by_tenant.items() if nxt[t] < len(reqs)}
     view = explain.Fairshare(free, left, usage, quotas)
     return Decision(ctx.policy, ctx.now, tuple(starts), tuple(preempts), context=view)
 
 
-_POLICIES = {Policy.FIFO: _fifo, Policy.BACKFILL: _backfill, Policy.PRIORITY: _priority,
-             Policy.FAIRSHARE: _fairshare}
+_POLICIES = {Policy.FIFO: _fifo, Policy.BACKFILL: _backfill, Policy.PRIORITY: _priority, Policy.FAIRSHARE: _fairshare}

@@ -8,8 +8,14 @@ from trainflow.sched.capacity import FreeMap
 from trainflow.sched.model import Pool, Request, Running
 
 
-def victims(pool: Pool, free: FreeMap, on_node: Sequence[Sequence[Running]], request: Request,
-            eligible: Callable[[Running], bool], gone: Collection[str]) -> tuple[Running, ...] | None:
+def victims(
+    pool: Pool,
+    free: FreeMap,
+    on_node: Sequence[Sequence[Running]],
+    request: Request,
+    eligible: Callable[[Running], bool],
+    gone: Collection[str],
+) -> tuple[Running, ...] | None:
     """The fewest running requests whose chips, with the free ones, fit ``request``; None if
     the eligible ones cannot free enough.
 
@@ -28,8 +34,7 @@ def victims(pool: Pool, free: FreeMap, on_node: Sequence[Sequence[Running]], req
         if need <= 0:
             options.append(((0, 0.0, x), ()))
             continue
-        cands = [run for run in on_node[x]
-                 if run.request.id not in gone and run.request.preemptible and eligible(run)]
+        cands = [run for run in on_node[x] if run.request.id not in gone and run.request.preemptible and eligible(run)]
         chosen = _fewest(cands, need)
         if chosen is not None:
             options.append(((len(chosen), -min(run.started for run in chosen), x), chosen))
@@ -37,7 +42,7 @@ def victims(pool: Pool, free: FreeMap, on_node: Sequence[Sequence[Running]], req
         return None
     options.sort(key=lambda o: o[0])
     picked: dict[str, Running] = {}
-    for _, chosen in options[:request.nodes]:
+    for _, chosen in options[: request.nodes]:
         for run in chosen:
             picked[run.request.id] = run
     return tuple(picked.values())

@@ -85,9 +85,16 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
-def simulate(jobs: Sequence[TraceJob], *, pool: Pool, policy: Policy | str,
-             checkpoint_interval: float | None = None, quotas: Mapping[str, int] | None = None,
-             backfill_window: int = DEFAULT_BACKFILL_WINDOW, bins: int = 500) -> Report:
+def simulate(
+    jobs: Sequence[TraceJob],
+    *,
+    pool: Pool,
+    policy: Policy | str,
+    checkpoint_interval: float | None = None,
+    quotas: Mapping[str, int] | None = None,
+    backfill_window: int = DEFAULT_BACKFILL_WINDOW,
+    bins: int = 500,
+) -> Report:
     """Run ``jobs`` to completion on ``pool`` under ``policy``.
 
     Args:
@@ -120,8 +127,8 @@ def simulate(jobs: Sequence[TraceJob], *, pool: Pool, policy: Policy | str,
     if len(index) != len(reqs):
         raise SpecError("jobs", len(reqs) - len(index), "duplicate request ids; ids must be unique")
     n = len(jobs)
-    done = [0.0] * n          # work kept (checkpointed) so far
-    epoch = [0] * n           # bumped on preemption: that run's finish event is stale
+    done = [0.0] * n  # work kept (checkpointed) so far
+    epoch = [0] * n  # bumped on preemption: that run's finish event is stale
     enqueued = [0.0] * n
     waited = [0.0] * n
     finished = [math.nan] * n
@@ -130,7 +137,7 @@ def simulate(jobs: Sequence[TraceJob], *, pool: Pool, policy: Policy | str,
     heapq.heapify(events)
     seq = n
     total = pool.total_chips
-    points: list[tuple[float, int, int]] = []    # (time, allocated chips, queue length) from then on
+    points: list[tuple[float, int, int]] = []  # (time, allocated chips, queue length) from then on
     tenant_cs: dict[str, float] = {}
     usage: dict[str, int] = {}
     chip_s = sat_s = sat_chip_s = lost_chip_s = 0.0
@@ -156,8 +163,9 @@ def simulate(jobs: Sequence[TraceJob], *, pool: Pool, policy: Policy | str,
                 occ.remove(reqs[i].id)
                 finished[i] = t
         for _ in range(_MAX_ROUNDS):
-            d = decide(policy, pool=pool, running=occ, waiting=queue, now=t, quotas=quotas,
-                       backfill_window=backfill_window)
+            d = decide(
+                policy, pool=pool, running=occ, waiting=queue, now=t, quotas=quotas, backfill_window=backfill_window
+            )
             decisions += 1
             for p in d.preempt:
                 rid = p.running.request.id
@@ -196,16 +204,25 @@ def simulate(jobs: Sequence[TraceJob], *, pool: Pool, policy: Policy | str,
     span = t_prev - start
     jct = [finished[i] - reqs[i].submitted for i in range(n)]
     return Report(
-        policy=policy.value, jobs=n, nodes=len(pool.nodes), chips=total, span_s=span,
+        policy=policy.value,
+        jobs=n,
+        nodes=len(pool.nodes),
+        chips=total,
+        span_s=span,
         utilization=chip_s / (total * span) if span else 0.0,
         saturated_utilization=sat_chip_s / (total * sat_s) if sat_s else None,
         saturated_fraction=sat_s / span if span else 0.0,
-        jct_mean_s=sum(jct) / n, jct_p50_s=percentile(jct, 50), jct_p95_s=percentile(jct, 95),
+        jct_mean_s=sum(jct) / n,
+        jct_p50_s=percentile(jct, 50),
+        jct_p95_s=percentile(jct, 95),
         queue_delay_mean_s=sum(waited) / n,
         tenant_share={t: cs / chip_s for t, cs in sorted(tenant_cs.items())} if chip_s else {},
         tenant_queue_delay_s=_mean_by(reqs, waited),
-        queue_max=max(q for _, _, q in points), preemptions=preemptions, lost_chip_s=lost_chip_s,
-        decisions=decisions, start_s=start,
+        queue_max=max(q for _, _, q in points),
+        preemptions=preemptions,
+        lost_chip_s=lost_chip_s,
+        decisions=decisions,
+        start_s=start,
         series=_bin(points, start, t_prev, total, bins),
     )
 
@@ -217,8 +234,9 @@ def _mean_by(reqs: Sequence, values: Sequence[float]) -> dict[str, float]:
     return {t: sum(vs) / len(vs) for t, vs in sorted(sums.items())}
 
 
-def _bin(points: list[tuple[float, int, int]], start: float, end: float, total: int,
-         bins: int) -> tuple[tuple[float, float, float], ...]:
+def _bin(
+    points: list[tuple[float, int, int]], start: float, end: float, total: int, bins: int
+) -> tuple[tuple[float, float, float], ...]:
     """Time-weighted means of the step functions in ``points`` over ``bins`` equal bins."""
     if end <= start or bins < 1:
         return ()
@@ -240,21 +258,27 @@ def _bin(points: list[tuple[float, int, int]], start: float, end: float, total: 
 
 def format_report(report: Report) -> str:
     """The report as a few human lines."""
-    sat = "n/a (the queue was never non-empty)" if report.saturated_utilization is None else \
-        f"{report.saturated_utilization:.1%}"
-    share = ", ".join(f"{t} {s:.1%} ({report.tenant_queue_delay_s.get(t, 0) / 3600:.1f} h)"
-                      for t, s in report.tenant_share.items())
-    return "\n".join([
-        f"policy {report.policy}: {report.jobs} jobs on {report.nodes} nodes ({report.chips} chips) "
-        f"over {report.span_s / 86400:.2f} days, {report.decisions} decisions",
-        f"utilization {report.utilization:.1%} overall, {sat} while saturated "
-        f"(queue non-empty {report.saturated_fraction:.1%} of the time)",
-        f"JCT mean {report.jct_mean_s / 3600:.2f} h, p50 {report.jct_p50_s / 3600:.2f} h, "
-        f"p95 {report.jct_p95_s / 3600:.2f} h; mean queueing delay {report.queue_delay_mean_s / 3600:.2f} h, "
-        f"at most {report.queue_max} waiting",
-        f"preemptions {report.preemptions} ({report.lost_chip_s / 3600:.1f} chip-hours of work lost)",
-        f"tenant share of chip-time (mean queueing delay): {share}",
-    ])
+    sat = (
+        "n/a (the queue was never non-empty)"
+        if report.saturated_utilization is None
+        else f"{report.saturated_utilization:.1%}"
+    )
+    share = ", ".join(
+        f"{t} {s:.1%} ({report.tenant_queue_delay_s.get(t, 0) / 3600:.1f} h)" for t, s in report.tenant_share.items()
+    )
+    return "\n".join(
+        [
+            f"policy {report.policy}: {report.jobs} jobs on {report.nodes} nodes ({report.chips} chips) "
+            f"over {report.span_s / 86400:.2f} days, {report.decisions} decisions",
+            f"utilization {report.utilization:.1%} overall, {sat} while saturated "
+            f"(queue non-empty {report.saturated_fraction:.1%} of the time)",
+            f"JCT mean {report.jct_mean_s / 3600:.2f} h, p50 {report.jct_p50_s / 3600:.2f} h, "
+            f"p95 {report.jct_p95_s / 3600:.2f} h; mean queueing delay {report.queue_delay_mean_s / 3600:.2f} h, "
+            f"at most {report.queue_max} waiting",
+            f"preemptions {report.preemptions} ({report.lost_chip_s / 3600:.1f} chip-hours of work lost)",
+            f"tenant share of chip-time (mean queueing delay): {share}",
+        ]
+    )
 
 
 def plot(reports: Report | Sequence[Report], path: Path | str, *, title: str | None = None) -> Path:
@@ -265,14 +289,17 @@ def plot(reports: Report | Sequence[Report], path: Path | str, *, title: str | N
     import matplotlib.pyplot as plt
 
     reports = [reports] if isinstance(reports, Report) else list(reports)
-    fig, (ux, qx) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), dpi=100,
-                                 gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ux, qx) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), dpi=100, gridspec_kw={"height_ratios": [3, 2]})
     for rep in reports:
         days = [(t - rep.start_s) / 86400 for t, _, _ in rep.series]
         sat = "n/a" if rep.saturated_utilization is None else f"{rep.saturated_utilization:.1%}"
-        ux.step(days, [100 * u for _, u, _ in rep.series], where="post", lw=1,
-                label=f"{rep.policy}: {rep.utilization:.1%} overall, {sat} saturated, "
-                      f"p95 JCT {rep.jct_p95_s / 3600:.1f} h")
+        ux.step(
+            days,
+            [100 * u for _, u, _ in rep.series],
+            where="post",
+            lw=1,
+            label=f"{rep.policy}: {rep.utilization:.1%} overall, {sat} saturated, p95 JCT {rep.jct_p95_s / 3600:.1f} h",
+        )
         qx.step(days, [q for _, _, q in rep.series], where="post", lw=1, label=rep.policy)
     ux.set_ylabel("allocated chips (%)")
     ux.set_ylim(0, 105)
@@ -281,8 +308,7 @@ def plot(reports: Report | Sequence[Report], path: Path | str, *, title: str | N
     qx.set_xlabel("days since the first submission")
     qx.legend(fontsize=8)
     first = reports[0]
-    ux.set_title(title or f"{first.jobs} jobs on {first.nodes} nodes × {first.chips // first.nodes} chips",
-                 fontsize=9)
+    ux.set_title(title or f"{first.jobs} jobs on {first.nodes} nodes × {first.chips // first.nodes} chips", fontsize=9)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ class Queue:
 
     def add(self, request: Request) -> None:
         """Raises:
-            SpecError: the request could never fit the pool, or its id is already waiting."""
+        SpecError: the request could never fit the pool, or its id is already waiting."""
         self.pool.check(request)
         if request.id in self._ids:
             raise SpecError("id", request.id, "a request with this id is already waiting; ids must be unique")
@@ -99,16 +99,21 @@ class Occupancy:
 
     def add(self, run: Running) -> None:
         """Raises:
-            SpecError: the placement does not match the request or does not fit now."""
+        SpecError: the placement does not match the request or does not fit now."""
         r, p = run.request, run.placement
         if run.request.id in self._ids:
             raise SpecError("id", r.id, "this request is already running; ids must be unique")
         if len(p) != r.nodes or len(set(p)) != len(p) or not all(0 <= i < len(self.on_node) for i in p):
-            raise SpecError("placement", p, f"request {r.id!r} needs {r.nodes} distinct node indices "
-                            f"in 0..{len(self.on_node) - 1}")
+            raise SpecError(
+                "placement", p, f"request {r.id!r} needs {r.nodes} distinct node indices in 0..{len(self.on_node) - 1}"
+            )
         if any(self.free.free[i] < r.chips_per_node for i in p):
-            raise SpecError("placement", p, f"request {r.id!r} needs {r.chips_per_node} chips on each "
-                            f"node; free there: {[self.free.free[i] for i in p]}")
+            raise SpecError(
+                "placement",
+                p,
+                f"request {r.id!r} needs {r.chips_per_node} chips on each "
+                f"node; free there: {[self.free.free[i] for i in p]}",
+            )
         self._ids[r.id] = run
         self.free.take(p, r.chips_per_node)
         self.usage[r.tenant] = self.usage.get(r.tenant, 0) + r.chips
@@ -143,8 +148,9 @@ class Occupancy:
         that node for recomputing. Callers must not modify the list."""
         times = self._times.get(chips)
         if times is None:
-            times = self._times[chips] = [ready_at(self.free.free[x], self.on_node[x], chips)
-                                          for x in range(len(self.on_node))]
+            times = self._times[chips] = [
+                ready_at(self.free.free[x], self.on_node[x], chips) for x in range(len(self.on_node))
+            ]
             self._stale[chips] = set()
         else:
             stale = self._stale[chips]

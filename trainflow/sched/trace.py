@@ -61,8 +61,16 @@ def tenant_of(job_id: str, tenants: int) -> str:
     return f"tenant-{zlib.crc32(job_id.encode()) % tenants}"
 
 
-def load(path: Path | str, *, chips_per_node: int = 8, tenants: int = 4, limit: int | None = None,
-         estimate_scale: float = 1.0, estimate_noise: float = 0.0, seed: int = 0) -> list[TraceJob]:
+def load(
+    path: Path | str,
+    *,
+    chips_per_node: int = 8,
+    tenants: int = 4,
+    limit: int | None = None,
+    estimate_scale: float = 1.0,
+    estimate_noise: float = 0.0,
+    seed: int = 0,
+) -> list[TraceJob]:
     """The first ``limit`` jobs of a CSV trace (all by default), in file order.
 
     Raises:
@@ -76,8 +84,11 @@ def load(path: Path | str, *, chips_per_node: int = 8, tenants: int = 4, limit: 
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise SpecError("limit", limit, "a number of jobs, at least 1 (or none for all)")
     if not estimate_scale > 0 or not estimate_noise >= 0:
-        raise SpecError("estimate_scale" if not estimate_scale > 0 else "estimate_noise",
-                        estimate_scale if not estimate_scale > 0 else estimate_noise, "scale > 0, noise ≥ 0")
+        raise SpecError(
+            "estimate_scale" if not estimate_scale > 0 else "estimate_noise",
+            estimate_scale if not estimate_scale > 0 else estimate_noise,
+            "scale > 0, noise ≥ 0",
+        )
     name = str(path)
     rng = random.Random(seed)
     jobs: list[TraceJob] = []
@@ -123,9 +134,15 @@ def load(path: Path | str, *, chips_per_node: int = 8, tenants: int = 4, limit: 
             tenant = row[col["tenant"]].strip() if "tenant" in col else tenant_of(job_id, tenants)
             noise = math.exp(rng.gauss(0.0, estimate_noise)) if estimate_noise else 1.0
             nodes, per_node = shape(gpus, chips_per_node)
-            request = Request(id=job_id, nodes=nodes, chips_per_node=per_node, tenant=tenant or "default",
-                              priority=priority, submitted=submitted,
-                              estimate=duration * estimate_scale * noise)
+            request = Request(
+                id=job_id,
+                nodes=nodes,
+                chips_per_node=per_node,
+                tenant=tenant or "default",
+                priority=priority,
+                submitted=submitted,
+                estimate=duration * estimate_scale * noise,
+            )
             jobs.append(TraceJob(request=request, duration=duration, gpus=gpus))
             if limit is not None and len(jobs) >= limit:
                 break

@@ -30,9 +30,19 @@ def chrome(user_data_dir: Path):
     os.environ.setdefault("SE_OFFLINE", "true")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1400,2200", f"--user-data-dir={user_data_dir}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2200",
+        f"--user-data-dir={user_data_dir}",
+    ):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
@@ -42,8 +52,9 @@ def chrome(user_data_dir: Path):
 
 def console_errors(driver, allowed: tuple[str, ...] = ()) -> list[dict]:
     """The browser console's SEVERE entries since the last call (reading empties the log)."""
-    return [e for e in driver.get_log("browser")
-            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)]
+    return [
+        e for e in driver.get_log("browser") if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)
+    ]
 
 
 def text(driver, selector: str) -> str:
@@ -65,12 +76,15 @@ def wait_for(driver, predicate: Callable[[Any], Any], timeout: float, what: str,
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:  # pages re-render: a found element may go stale, look again
-        return WebDriverWait(driver, timeout, poll_frequency=0.25,
-                             ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: predicate(d))
+        return WebDriverWait(
+            driver, timeout, poll_frequency=0.25, ignored_exceptions=(StaleElementReferenceException,)
+        ).until(lambda d: predicate(d))
     except Exception as exc:  # selenium's TimeoutException: say what did not appear
         path = screenshot(driver, shot)
-        raise AssertionError(f"{what} not shown within {timeout} s (screenshot {path})\n"
-                             f"{driver.find_element('tag name', 'body').text[:3000]}") from exc
+        raise AssertionError(
+            f"{what} not shown within {timeout} s (screenshot {path})\n"
+            f"{driver.find_element('tag name', 'body').text[:3000]}"
+        ) from exc
 
 
 def sign_in(driver, base_url: str, user: str, password: str, *, then: str = "/") -> None:

@@ -48,8 +48,15 @@ class FakeKubernetesAPI:
                 if url.path.endswith("/log"):
                     return self._send(200, api.log.encode(), "text/plain")
                 if name == "pods":
-                    return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {},
-                                            "items": [api._status(n) for n in api.pods]})
+                    return self._send(
+                        200,
+                        {
+                            "kind": "PodList",
+                            "apiVersion": "v1",
+                            "metadata": {},
+                            "items": [api._status(n) for n in api.pods],
+                        },
+                    )
                 if name in api.pods:
                     return self._send(200, api._status(name))
                 return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
@@ -82,22 +89,43 @@ class FakeKubernetesAPI:
         pod = self.pods[name]
         ok = self.exit_code == 0
         container = pod["spec"]["containers"][0]["name"]
-        pod["status"] = {"phase": "Succeeded" if ok else "Failed", "startTime": "2026-12-03T10:00:00Z",
-                         "containerStatuses": [{"name": container, "ready": False, "restartCount": 0,
-                                                "image": "x", "imageID": "x", "state": {"terminated": {
-                                                    "exitCode": self.exit_code,
-                                                    "reason": "Completed" if ok else "Error",
-                                                    "startedAt": "2026-12-03T10:00:00Z",
-                                                    "finishedAt": "2026-12-03T10:00:05Z"}}}]}
+        pod["status"] = {
+            "phase": "Succeeded" if ok else "Failed",
+            "startTime": "2026-12-03T10:00:00Z",
+            "containerStatuses": [
+                {
+                    "name": container,
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "x",
+                    "imageID": "x",
+                    "state": {
+                        "terminated": {
+                            "exitCode": self.exit_code,
+                            "reason": "Completed" if ok else "Error",
+                            "startedAt": "2026-12-03T10:00:00Z",
+                            "finishedAt": "2026-12-03T10:00:05Z",
+                        }
+                    },
+                }
+            ],
+        }
         return pod
 
     def kubeconfig(self, path: Path) -> Path:
         port = self.server.server_address[1]
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-            "users": [{"name": "fake", "user": {"token": "fake"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                    "users": [{"name": "fake", "user": {"token": "fake"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                }
+            )
+        )
         return path
 
     def __enter__(self) -> "FakeKubernetesAPI":

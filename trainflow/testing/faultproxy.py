@@ -9,8 +9,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-             b'<Message>Please reduce your request rate.</Message></Error>')
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class FaultProxy:
@@ -19,8 +21,7 @@ class FaultProxy:
     real status and headers but only the first half of its body before the connection
     closes (a network drop mid-transfer). ``injected`` counts them."""
 
-    def __init__(self, upstream: str, *, every: int = 3, status: int = 503, start: int = 1,
-                 cut: bool = False) -> None:
+    def __init__(self, upstream: str, *, every: int = 3, status: int = 503, start: int = 1, cut: bool = False) -> None:
         self.upstream = urlparse(upstream)
         self.every, self.status, self.start, self.cut = every, status, start, cut
         self.requests = self.injected = 0
@@ -55,8 +56,11 @@ class FaultProxy:
                     self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=120)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection", "transfer-encoding", "content-length")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("connection", "transfer-encoding", "content-length")
+                }
                 if body is not None:
                     headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -67,11 +71,13 @@ class FaultProxy:
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
                 # A HEAD answer has no body but tells the object's length.
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0")
-                                 if self.command == "HEAD" else str(len(data)))
+                self.send_header(
+                    "Content-Length",
+                    resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)),
+                )
                 self.end_headers()
                 if fault and len(data) > 1:  # cut: half the body, then the connection closes
-                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
                     self.close_connection = True
                 elif self.command != "HEAD":

@@ -125,8 +125,7 @@ class HostNetwork:
             self._forwarder = None
         for kind, name in reversed(self._made):
             if kind == "netns":
-                for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                                          text=True).stdout.split():
+                for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
                     try:
                         os.kill(int(pid), signal.SIGKILL)
                     except ProcessLookupError:

@@ -36,8 +36,9 @@ def weed_binary() -> str:
 class SeaweedS3:
     """``weed mini`` bound to 127.0.0.1 with telemetry off, one identity, one bucket."""
 
-    def __init__(self, root: Path, *, bucket: str = "trainflow", access_key: str = "trainflow",
-                 cpus: set[int] | None = None) -> None:
+    def __init__(
+        self, root: Path, *, bucket: str = "trainflow", access_key: str = "trainflow", cpus: set[int] | None = None
+    ) -> None:
         """``cpus``: run the server on these CPUs only (a benchmark's stand-in for a server
         on machines of its own); None: wherever the kernel puts it."""
         self.root, self.bucket, self.cpus = Path(root), bucket, cpus
@@ -57,31 +58,73 @@ class SeaweedS3:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "trainflow", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "trainflow",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         config.chmod(0o600)
-        ports = {name: _free_port() for name in ("master", "volume", "filer", "webdav", "master.grpc",
-                                                  "volume.grpc", "filer.grpc", "s3.grpc", "admin", "admin.grpc")}
+        ports = {
+            name: _free_port()
+            for name in (
+                "master",
+                "volume",
+                "filer",
+                "webdav",
+                "master.grpc",
+                "volume.grpc",
+                "filer.grpc",
+                "s3.grpc",
+                "admin",
+                "admin.grpc",
+            )
+        }
         self.log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(
-            [weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-             "-master.telemetry=false", "-admin.ui=false", f"-master.port={ports['master']}",
-             f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
-             f"-webdav.port={ports['webdav']}", f"-master.port.grpc={ports['master.grpc']}",
-             f"-volume.port.grpc={ports['volume.grpc']}", f"-filer.port.grpc={ports['filer.grpc']}",
-             f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin.grpc']}",
-             f"-s3.port.grpc={ports['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-             f"-s3.port={self.port}", f"-s3.config={config}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
+            [
+                weed_binary(),
+                "mini",
+                f"-dir={data}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-master.telemetry=false",
+                "-admin.ui=false",
+                f"-master.port={ports['master']}",
+                f"-volume.port={ports['volume']}",
+                f"-filer.port={ports['filer']}",
+                f"-webdav.port={ports['webdav']}",
+                f"-master.port.grpc={ports['master.grpc']}",
+                f"-volume.port.grpc={ports['volume.grpc']}",
+                f"-filer.port.grpc={ports['filer.grpc']}",
+                f"-admin.port={ports['admin']}",
+                f"-admin.port.grpc={ports['admin.grpc']}",
+                f"-s3.port.grpc={ports['s3.grpc']}",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                f"-s3.port={self.port}",
+                f"-s3.config={config}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
+        )
         from trainflow.checkpoint.s3 import client
 
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited {self.proc.returncode}: "
-                                   f"{(self.root / 'weed.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"weed mini exited {self.proc.returncode}: {(self.root / 'weed.log').read_text()[-2000:]}"
+                )
             try:
                 s3 = client(endpoint_url=self.endpoint_url, **self.credentials)
                 s3.create_bucket(Bucket=self.bucket)
@@ -94,8 +137,14 @@ class SeaweedS3:
 
     def airflow_connection(self) -> str:
         """The server as an Airflow connection (``AIRFLOW_CONN_<ID>`` JSON)."""
-        return json.dumps({"conn_type": "aws", "login": self.access_key, "password": self.secret_key,
-                           "extra": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"}})
+        return json.dumps(
+            {
+                "conn_type": "aws",
+                "login": self.access_key,
+                "password": self.secret_key,
+                "extra": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            }
+        )
 
     def client(self, **kw):
         from trainflow.checkpoint.s3 import client

@@ -34,8 +34,17 @@ MAX_EVENTS = 500
 # Timeline events, by what they mean for the run (unknown events count as faults: a new
 # failure kind must not be hidden as routine).
 RECOVERY_EVENTS = frozenset({"resumed", "membership", "straggler_excluded"})
-ROUTINE_EVENTS = frozenset({"gang_start", "first_step", "checkpoint_stall", "checkpoint_committed",
-                            "capacity_acquired", "disk_released", "grow_window"})
+ROUTINE_EVENTS = frozenset(
+    {
+        "gang_start",
+        "first_step",
+        "checkpoint_stall",
+        "checkpoint_committed",
+        "capacity_acquired",
+        "disk_released",
+        "grow_window",
+    }
+)
 
 
 class RunNotFoundError(LookupError):
@@ -98,10 +107,12 @@ def _allocation(run_dir: Path, spec: dict) -> dict | None:
     nodes = spec.get("nodes")
     top = int(str(nodes).split(":")[-1]) if nodes is not None and str(nodes).split(":")[-1].isdigit() else None
     released = _json_dict(run_dir / "nodes" / "released.json")  # the release teardown ran
-    return {"pool": lease.get("pool"),
-            "held": 0 if released else len(list((run_dir / "nodes").glob("slot-*.held"))),
-            "slots": None if top is None else top + int(spec.get("spares") or 0),
-            "released": released.get("time")}
+    return {
+        "pool": lease.get("pool"),
+        "held": 0 if released else len(list((run_dir / "nodes").glob("slot-*.held"))),
+        "slots": None if top is None else top + int(spec.get("spares") or 0),
+        "released": released.get("time"),
+    }
 
 
 def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float) -> dict | None:
@@ -112,12 +123,12 @@ def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float) -> 
         return None
     ends = [float(n["ended"]) for n in nodes if n.get("ended")]
     live = len(ends) < len(nodes)
-    return summarize(run_dir, started=min(starts), ended=now if live or not ends else max(ends),
-                     steps=int(step or 0))
+    return summarize(run_dir, started=min(starts), ended=now if live or not ends else max(ends), steps=int(step or 0))
 
 
-def _state(run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], nodes: list[dict],
-           started_at: float, now: float) -> tuple[RunState, str]:
+def _state(
+    run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], nodes: list[dict], started_at: float, now: float
+) -> tuple[RunState, str]:
     """Decide the run's state and say why. Pure apart from reading the control files."""
     if completed(run_dir):
         return RunState.COMPLETED, "training finished (control/complete.json)"
@@ -129,12 +140,15 @@ def _state(run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], n
         return RunState.FAILED, f"node {bad['node']} {bad['state']}: {bad.get('error') or 'no error recorded'}"
     if not beats:
         return RunState.PENDING, "no rank has reported yet"
-    policy = HeartbeatPolicy(timeout=float(spec.get("heartbeat_timeout", 60.0)),
-                             startup_timeout=float(spec.get("startup_timeout", 300.0)))
-    restarts = {int(n["node"]): float(n["started"]) for n in nodes
-                if n.get("node") is not None and n.get("started") is not None}
-    verdict = classify(beats, now=now, world_size=world_size, started_at=started_at, policy=policy,
-                       node_started=restarts)
+    policy = HeartbeatPolicy(
+        timeout=float(spec.get("heartbeat_timeout", 60.0)), startup_timeout=float(spec.get("startup_timeout", 300.0))
+    )
+    restarts = {
+        int(n["node"]): float(n["started"]) for n in nodes if n.get("node") is not None and n.get("started") is not None
+    }
+    verdict = classify(
+        beats, now=now, world_size=world_size, started_at=started_at, policy=policy, node_started=restarts
+    )
     if verdict.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
         return RunState.STALLED, verdict.message
     return RunState.RUNNING, verdict.message
@@ -158,16 +172,24 @@ def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
     rank0 = gang.get(0) or {}
     good = _goodput(run_dir, nodes, min(steps) if steps else None, now)
     return {
-        "tenant": ws.tenant, "dag_id": ws.dag_id, "run_id": ws.run_id,
-        "workload": spec.get("workload"), "chip": spec.get("chip"), "strategy": spec.get("strategy"),
-        "nodes": spec.get("nodes"), "world_size": world_size, "current_world_size": world if beats else None,
+        "tenant": ws.tenant,
+        "dag_id": ws.dag_id,
+        "run_id": ws.run_id,
+        "workload": spec.get("workload"),
+        "chip": spec.get("chip"),
+        "strategy": spec.get("strategy"),
+        "nodes": spec.get("nodes"),
+        "world_size": world_size,
+        "current_world_size": world if beats else None,
         "ranks_reporting": len(gang),
-        "step": min(steps) if steps else None, "total_steps": spec.get("steps"),
+        "step": min(steps) if steps else None,
+        "total_steps": spec.get("steps"),
         "loss": rank0.get("loss"),
         # Each rank reports its own samples/s; the gang's throughput is their sum.
         "samples_per_s": round(sum(float(b.get("samples_per_s") or 0.0) for b in gang.values()), 1) if gang else None,
         "last_heartbeat_age_s": None if last_beat is None else round(max(0.0, now - last_beat), 3),
-        "state": state.value, "state_reason": reason,
+        "state": state.value,
+        "state_reason": reason,
         "evaluated": ws.metrics_file.exists(),
         "goodput": None if good is None else good["goodput"],
         "allocation": _allocation(run_dir, spec),
@@ -175,8 +197,9 @@ def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
     }, good
 
 
-def list_runs(root: Path, *, now: float | None = None, tenant: str | None = None,
-              dag_id: str | None = None) -> list[dict]:
+def list_runs(
+    root: Path, *, now: float | None = None, tenant: str | None = None, dag_id: str | None = None
+) -> list[dict]:
     """Every run under ``root`` (optionally of one tenant or DAG), newest activity first.
 
     Directories whose names are not valid workspace names, and directories without a plan
@@ -208,23 +231,37 @@ def _ranks(beats: dict[int, dict], gang: dict[int, dict], timeout: float, now: f
         progress_age = now - float(b.get("progress_time", b.get("time", now)))
         alive_age = now - float(b.get("alive", b.get("time", now)))
         state = b.get("state")
-        out.append({
-            "rank": r, "node": b.get("node"), "pid": b.get("pid"), "state": state,
-            "step": b.get("step"), "total": b.get("total"), "loss": b.get("loss"),
-            "samples_per_s": b.get("samples_per_s"), "compute_ms": b.get("compute_ms"),
-            "phase": b.get("phase"), "checkpoint_step": b.get("checkpoint_step"),
-            "progress_age_s": round(max(0.0, progress_age), 3), "alive_age_s": round(max(0.0, alive_age), 3),
-            # A rank left over from a larger gang (an elastic run shrank) is not watched.
-            "in_gang": r in gang,
-            "healthy": r in gang and state != RankState.FAILED.value
-            and (state == RankState.DONE.value or progress_age <= timeout),
-        })
+        out.append(
+            {
+                "rank": r,
+                "node": b.get("node"),
+                "pid": b.get("pid"),
+                "state": state,
+                "step": b.get("step"),
+                "total": b.get("total"),
+                "loss": b.get("loss"),
+                "samples_per_s": b.get("samples_per_s"),
+                "compute_ms": b.get("compute_ms"),
+                "phase": b.get("phase"),
+                "checkpoint_step": b.get("checkpoint_step"),
+                "progress_age_s": round(max(0.0, progress_age), 3),
+                "alive_age_s": round(max(0.0, alive_age), 3),
+                # A rank left over from a larger gang (an elastic run shrank) is not watched.
+                "in_gang": r in gang,
+                "healthy": r in gang
+                and state != RankState.FAILED.value
+                and (state == RankState.DONE.value or progress_age <= timeout),
+            }
+        )
     return out
 
 
 def _curve(run_dir: Path) -> list[dict]:
-    points = [{"step": int(p["step"]), "loss": float(p["loss"]), "time": p.get("time")}
-              for p in read_lines(run_dir / "curve.jsonl") if "step" in p and "loss" in p]
+    points = [
+        {"step": int(p["step"]), "loss": float(p["loss"]), "time": p.get("time")}
+        for p in read_lines(run_dir / "curve.jsonl")
+        if "step" in p and "loss" in p
+    ]
     if len(points) > MAX_CURVE_POINTS:
         stride = -(-len(points) // MAX_CURVE_POINTS)
         points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
@@ -240,8 +277,9 @@ def _verified(path: str, fingerprint: tuple) -> bool:
 
 
 def _fingerprint(path: Path) -> tuple:
-    return tuple(sorted((p.name, st.st_size, st.st_mtime_ns)
-                        for p in path.rglob("*") if p.is_file() and (st := p.stat())))
+    return tuple(
+        sorted((p.name, st.st_size, st.st_mtime_ns) for p in path.rglob("*") if p.is_file() and (st := p.stat()))
+    )
 
 
 def _checkpoints(ckpt_root: Path) -> list[dict]:
@@ -249,13 +287,18 @@ def _checkpoints(ckpt_root: Path) -> list[dict]:
     for step, path in list_checkpoints(ckpt_root):
         manifest = read_manifest(path) or {}
         files = manifest.get("files") or {}
-        out.append({
-            "step": step, "path": str(path),
-            "bytes": sum(int(m.get("size", 0)) for m in files.values() if isinstance(m, dict)),
-            "files": len(files), "world_size": manifest.get("world_size"),
-            "training_hash": manifest.get("training_hash"), "created": manifest.get("created"),
-            "verified": bool(manifest) and _verified(str(path), _fingerprint(path)),
-        })
+        out.append(
+            {
+                "step": step,
+                "path": str(path),
+                "bytes": sum(int(m.get("size", 0)) for m in files.values() if isinstance(m, dict)),
+                "files": len(files),
+                "world_size": manifest.get("world_size"),
+                "training_hash": manifest.get("training_hash"),
+                "created": manifest.get("created"),
+                "verified": bool(manifest) and _verified(str(path), _fingerprint(path)),
+            }
+        )
     return out
 
 
@@ -287,8 +330,9 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
     for p in sorted((ws.dir / "errors").glob("rank-*.json")):
         e = _json(p)
         if isinstance(e, dict):
-            errors.append({**{k: e.get(k) for k in ("rank", "kind", "type", "time")},
-                           "message": clip(e.get("message"))})
+            errors.append(
+                {**{k: e.get(k) for k in ("rank", "kind", "type", "time")}, "message": clip(e.get("message"))}
+            )
     events = [{**e, "kind": _kind(str(e.get("event")))} for e in timeline_read(ws.dir) if "event" in e]
     good = good or {}
     return {
@@ -306,7 +350,8 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
         # every change of the gang's members (elastic shrink/grow, a hot spare taking over).
         "faults": (good.get("faults") or [])[-MAX_EVENTS:],
         "membership": (good.get("membership") or [])[-MAX_EVENTS:],
-        "recovery_s": good.get("recovery_s"), "steps_lost": good.get("steps_lost"),
+        "recovery_s": good.get("recovery_s"),
+        "steps_lost": good.get("steps_lost"),
         "now": now,
     }
 

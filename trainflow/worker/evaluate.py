@@ -60,8 +60,7 @@ def evaluate(run_dir: Path, checkpoint: str | None = None) -> dict:
     }
     if workload.target:
         name, op, value = workload.target
-        result["target"] = {"metric": name, "op": op, "value": value,
-                            "met": bool(_OPS[op](metrics[name], value))}
+        result["target"] = {"metric": name, "op": op, "value": value, "met": bool(_OPS[op](metrics[name], value))}
     return result
 
 
@@ -145,11 +144,19 @@ def program_result(run_dir: Path, ref) -> dict:
     if ".metadata" in files:  # a DCP folder: its state, whatever the files' layout and paths
         identity = hashlib.sha256(dcp_digest(Path(ref.path)).encode())
     else:
-        identity = hashlib.sha256(json.dumps({rel: content_digest(Path(ref.path) / rel, meta)
-                                              for rel, meta in sorted(files.items())}, sort_keys=True).encode())
-    return {"program": True, "step": ref.step, "checkpoint": ref.path,
-            "metrics": check_metrics({**metrics, "step": float(ref.step)}),
-            "weights_sha256": identity.hexdigest(), "reported_step": last.get("step")}
+        identity = hashlib.sha256(
+            json.dumps(
+                {rel: content_digest(Path(ref.path) / rel, meta) for rel, meta in sorted(files.items())}, sort_keys=True
+            ).encode()
+        )
+    return {
+        "program": True,
+        "step": ref.step,
+        "checkpoint": ref.path,
+        "metrics": check_metrics({**metrics, "step": float(ref.step)}),
+        "weights_sha256": identity.hexdigest(),
+        "reported_step": last.get("step"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

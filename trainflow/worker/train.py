@@ -28,8 +28,7 @@ from trainflow.heartbeat import HeartbeatWriter, RankState
 from trainflow.remediation import abort
 from trainflow.spec import TrainingSpec
 from trainflow.timeline import record
-from trainflow.workspace import (COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, PREEMPT_REQUEST, PREEMPTED,
-                                 write_json_atomic)
+from trainflow.workspace import COMPLETE, GROW_ACK, GROW_REQUEST_GLOB, PREEMPT_REQUEST, PREEMPTED, write_json_atomic
 
 ABORT_EXIT_CODE = 3
 # How long a gang that opened a grow window waits for the joining node before it trains on.
@@ -47,8 +46,7 @@ def data_position(spec: TrainingSpec, ref) -> int:
     return int(position) if position is not None else ref.step * spec.global_batch_at(ref.world_size)
 
 
-def membership_change(events: list[dict], members: list[int], world: int, *,
-                      run_dir: Path) -> dict | None:
+def membership_change(events: list[dict], members: list[int], world: int, *, run_dir: Path) -> dict | None:
     """How this gang differs from the previous one (``gang_start`` events), or None.
 
     ``change`` is ``shrink``/``grow`` when the world size changed, ``replaced`` when the
@@ -71,11 +69,19 @@ def membership_change(events: list[dict], members: list[int], world: int, *,
         if float(status.get("started", time.time())) < float(last["time"]):
             spares.append(n)
     world_from = int(last.get("world", world))
-    change = ("shrink" if world < world_from else "grow" if world > world_from
-              else "spare_used" if spares else "replaced")
-    return {"change": change, "world_from": world_from, "world_to": world,
-            "nodes_from": last["nodes"], "nodes_to": members, "joined": joined,
-            "left": sorted(set(last["nodes"]) - set(members)), "spares_used": spares}
+    change = (
+        "shrink" if world < world_from else "grow" if world > world_from else "spare_used" if spares else "replaced"
+    )
+    return {
+        "change": change,
+        "world_from": world_from,
+        "world_to": world,
+        "nodes_from": last["nodes"],
+        "nodes_to": members,
+        "joined": joined,
+        "left": sorted(set(last["nodes"]) - set(members)),
+        "spares_used": spares,
+    }
 
 
 def grow_window(run_dir: Path, spec: TrainingSpec, rank: int, step: int, checkpointer, beat, say) -> None:
@@ -140,8 +146,10 @@ def preempt_point(run_dir: Path, rank: int, step: int, checkpoint, say) -> bool:
             flag.zero_()
     dist.broadcast(flag, src=0)
     if not flag.item():
-        say(f"asked to stop for a preemption, but the checkpoint of step {step} did not commit; "
-            f"training on (the next check tries again)")
+        say(
+            f"asked to stop for a preemption, but the checkpoint of step {step} did not commit; "
+            f"training on (the next check tries again)"
+        )
         return False
     if rank == 0:
         try:
@@ -150,8 +158,10 @@ def preempt_point(run_dir: Path, rank: int, step: int, checkpoint, say) -> bool:
             order = {}
         write_json_atomic(control / PREEMPTED, {"step": step, "time": time.time(), "by": order.get("by")})
         record(run_dir, "preempted", step=step, by=order.get("by"), reason=clip(order.get("reason", "")))
-        say(f"preempted for {order.get('by')!r}: checkpoint of step {step} committed; the gang stops "
-            f"and resumes from it when admitted again")
+        say(
+            f"preempted for {order.get('by')!r}: checkpoint of step {step} committed; the gang stops "
+            f"and resumes from it when admitted again"
+        )
     return True
 
 
@@ -258,7 +268,8 @@ def pick_device(torch, family):
         raise ChipUnavailableError(
             f"chip family {family.name!r}: no {family.device_type} device is visible to this rank "
             f"({family.visible_env}={os.environ.get(family.visible_env or '', '<unset>')}); check the "
-            f"node's driver with `trainflow doctor`")
+            f"node's driver with `trainflow doctor`"
+        )
     module.set_device(device)
     return device
 
@@ -300,9 +311,13 @@ def apply_visibility(run_dir: Path, env=os.environ) -> dict[str, str]:
     chip = json.loads((run_dir / "spec.json").read_text()).get("chip", "cpu")
     node_devices = env.get("TRAINFLOW_NODE_DEVICES")
     try:
-        update = worker_env(get_family(chip), env, local_rank=int(env.get("LOCAL_RANK", "0")),
-                            local_world=int(env.get("LOCAL_WORLD_SIZE", "1")),
-                            node_devices=int(node_devices) if node_devices else None)
+        update = worker_env(
+            get_family(chip),
+            env,
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            node_devices=int(node_devices) if node_devices else None,
+        )
     except ValueError as exc:  # too few devices for nproc_per_node: no retry can help
         raise ChipUnavailableError(f"chip family {chip!r}: {exc}") from exc
     env.update(update)
@@ -317,7 +332,7 @@ def _collate(train, indices, device):
 
 
 class StepProfiler:
-    """``TRAINFLOW_PROFILE=<file>``: rank 0 runs ``torch.profiler`` over ``STEPS`` steady steps
+    """``TRAINFLOW_STEP_PROFILE=<file>``: rank 0 runs ``torch.profiler`` over ``STEPS`` steady steps
     (from the 20th after the start) and writes the top operators by self CPU time to the
     file (bench/throughput.py --profile)."""
 
@@ -330,7 +345,7 @@ class StepProfiler:
 
     @classmethod
     def from_env(cls, rank: int, start: int, steps: int) -> "StepProfiler | None":
-        path = os.environ.get("TRAINFLOW_PROFILE")
+        path = os.environ.get("TRAINFLOW_STEP_PROFILE")
         if not path or rank != 0 or start + cls.SKIP + cls.STEPS > steps:
             return None
         return cls(path, start)
@@ -371,8 +386,10 @@ def apply_limits(spec: TrainingSpec, resource=None) -> dict[str, int]:
     if resource is None:
         import resource
     done = {}
-    for field_name, which, scale in (("memory_limit_mb", resource.RLIMIT_DATA, 1 << 20),
-                                     ("open_files_limit", resource.RLIMIT_NOFILE, 1)):
+    for field_name, which, scale in (
+        ("memory_limit_mb", resource.RLIMIT_DATA, 1 << 20),
+        ("open_files_limit", resource.RLIMIT_NOFILE, 1),
+    ):
         want = getattr(spec, field_name)
         if not want:
             continue
@@ -386,12 +403,10 @@ def apply_limits(spec: TrainingSpec, resource=None) -> dict[str, int]:
 def run(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
-
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from trainflow.chips.registry import get_family
-
     from trainflow.checkpoint import dcp
+    from trainflow.chips.registry import get_family
     from trainflow.data import indices_at, rank_positions
     from trainflow.faults import FaultInjector
     from trainflow.workloads import load_workload
@@ -403,8 +418,10 @@ def run(run_dir: Path) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("TRAINFLOW_NODE", os.environ.get("GROUP_RANK", "0")))
     if not (spec.min_world_size <= world <= spec.world_size and world % spec.nproc_per_node == 0):
-        raise RuntimeError(f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}"
-                           + (f" (at least {spec.min_world_size})" if spec.elastic else ""))
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={world}, spec wants {spec.world_size}"
+            + (f" (at least {spec.min_world_size})" if spec.elastic else "")
+        )
     torch.set_num_threads(1)
     family = get_family(spec.chip)
     if family.extension:
@@ -416,15 +433,17 @@ def run(run_dir: Path) -> int:
             raise ChipUnavailableError(
                 f"chip family {family.name!r} needs the {family.extension!r} extension "
                 f"(pip package {family.package!r}), which is not installed on this worker ({exc}); "
-                f"install it, or serve queue {spec.queue!r} only from workers that have it") from exc
+                f"install it, or serve queue {spec.queue!r} only from workers that have it"
+            ) from exc
     device = pick_device(torch, family)
     precision = amp_precision(torch, family, spec.precision, device)
-    beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node,
-                           interval=spec.heartbeat_interval, world=world)
+    beat = HeartbeatWriter(run_dir / "heartbeats", rank=rank, node=node, interval=spec.heartbeat_interval, world=world)
     beat.beat(step=0, total=spec.steps, state=RankState.STARTING, force=True)
     beat.start_pulse()
     dist.init_process_group(backend=family.composite_backend)
-    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
+
+    def say(*parts) -> None:
+        print(f"[rank {rank}]", *parts, flush=True)
 
     injector = FaultInjector(spec.faults, run_dir=run_dir, rank=rank, heartbeat=beat)
     workload = user_code(rank, load_workload, spec)
@@ -441,8 +460,7 @@ def run(run_dir: Path) -> int:
     nodes = [None] * world
     dist.all_gather_object(nodes, node)
     if rank == 0:
-        ref = manifest.newest_verified(ckpt_root, training_hash=thash,
-                                       world_size=None if spec.elastic else world)
+        ref = manifest.newest_verified(ckpt_root, training_hash=thash, world_size=None if spec.elastic else world)
         choice = [ref.to_dict() if ref else None]
         if ref is not None:
             choice[0]["position"] = data_position(spec, ref)
@@ -457,13 +475,17 @@ def run(run_dir: Path) -> int:
         record(run_dir, "gang_start", step=start, world=world, nodes=members)
         if change is not None:
             record(run_dir, "membership", step=start, **change)
-            say(f"gang {change['change']}: world {change['world_from']} → {world}, nodes "
+            say(
+                f"gang {change['change']}: world {change['world_from']} → {world}, nodes "
                 f"{change['nodes_from']} → {members}, resuming at step {start} "
-                f"(batch policy {spec.batch_policy}, global batch {spec.global_batch_at(world)})")
+                f"(batch policy {spec.batch_policy}, global batch {spec.global_batch_at(world)})"
+            )
         if earlier >= spec.crash_loop_limit:
-            raise CrashLoopError(f"crash loop: the gang restarted {earlier} times from step {start} "
-                                 f"without reaching a newer checkpoint (crash_loop_limit="
-                                 f"{spec.crash_loop_limit}); stopping instead of retrying")
+            raise CrashLoopError(
+                f"crash loop: the gang restarted {earlier} times from step {start} "
+                f"without reaching a newer checkpoint (crash_loop_limit="
+                f"{spec.crash_loop_limit}); stopping instead of retrying"
+            )
     if choice[0]:
         dcp.load(model, optimizer, choice[0]["path"])
         if scaler.is_enabled():
@@ -482,21 +504,29 @@ def run(run_dir: Path) -> int:
         committed.append(ref)
         injector.save_finished(ref.step, ok=True)
         if ref.step in save_started:  # rank 0: how far the newest verified checkpoint lagged
-            record(run_dir, "checkpoint_committed", step=ref.step,
-                   latency_s=round(time.time() - save_started.pop(ref.step), 3))
+            record(
+                run_dir,
+                "checkpoint_committed",
+                step=ref.step,
+                latency_s=round(time.time() - save_started.pop(ref.step), 3),
+            )
 
     def on_error(step: int, exc: BaseException) -> None:
         error = save_error(exc)
-        say(f"WARNING checkpoint of step {step} failed ({error}); "
-            f"the previous verified checkpoint stays the newest")
+        say(f"WARNING checkpoint of step {step} failed ({error}); the previous verified checkpoint stays the newest")
         record(run_dir, "checkpoint_failed", step=step, rank=rank, error=error)
         injector.save_finished(step, ok=False)
 
     checkpointer = None
     if spec.checkpoint_mode == "async":
-        checkpointer = dcp.AsyncCheckpointer(root=ckpt_root, world_size=world, training_hash=thash,
-                                             keep_last=spec.keep_last, on_commit=on_commit,
-                                             on_error=on_error)
+        checkpointer = dcp.AsyncCheckpointer(
+            root=ckpt_root,
+            world_size=world,
+            training_hash=thash,
+            keep_last=spec.keep_last,
+            on_commit=on_commit,
+            on_error=on_error,
+        )
     n, window_t, window_s = len(workload.train), time.time(), start
     loss_value, samples_per_s, last_ckpt, compute_ewma = float("nan"), 0.0, start, None
     curve_t = 0.0
@@ -505,10 +535,17 @@ def run(run_dir: Path) -> int:
     if spec.record_samples:
         (run_dir / "samples").mkdir(exist_ok=True)
         samples_log = open(run_dir / "samples" / f"rank-{rank:05d}.jsonl", "a", buffering=1)
+
     def save(done: int) -> None:
         nonlocal last_ckpt
-        beat.beat(step=done, total=spec.steps, state=RankState.CHECKPOINTING, loss=loss_value,
-                  checkpoint_step=last_ckpt, force=True)
+        beat.beat(
+            step=done,
+            total=spec.steps,
+            state=RankState.CHECKPOINTING,
+            loss=loss_value,
+            checkpoint_step=last_ckpt,
+            force=True,
+        )
         t_save = time.perf_counter()
         if rank == 0:
             save_started[done] = time.time()
@@ -520,9 +557,16 @@ def run(run_dir: Path) -> int:
             checkpointer.save(model, optimizer, step=done, extra=extra_state(position, scaler))
         else:
             try:
-                ref = dcp.save(model, optimizer, root=ckpt_root, step=done, world_size=world,
-                               training_hash=thash, keep_last=spec.keep_last,
-                               extra=extra_state(position, scaler))
+                ref = dcp.save(
+                    model,
+                    optimizer,
+                    root=ckpt_root,
+                    step=done,
+                    world_size=world,
+                    training_hash=thash,
+                    keep_last=spec.keep_last,
+                    extra=extra_state(position, scaler),
+                )
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - keep the old one
                 on_error(done, exc)
             else:
@@ -530,8 +574,7 @@ def run(run_dir: Path) -> int:
         stall_ms = 1000 * (time.perf_counter() - t_save)
         last_ckpt = done
         if rank == 0:
-            record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode,
-                   stall_ms=round(stall_ms, 3))
+            record(run_dir, "checkpoint_stall", step=done, mode=spec.checkpoint_mode, stall_ms=round(stall_ms, 3))
 
     def save_and_wait(done: int) -> None:
         if last_ckpt != done:
@@ -567,7 +610,9 @@ def run(run_dir: Path) -> int:
         scaler.scale(loss * weight if weight != 1 else loss).backward()
         position += global_batch
         if samples_log is not None:
-            samples_log.write(json.dumps({"step": step + 1, "world": world, "time": time.time(), "indices": idx}) + "\n")
+            samples_log.write(
+                json.dumps({"step": step + 1, "world": world, "time": time.time(), "indices": idx}) + "\n"
+            )
         if checkpointer is not None:
             checkpointer.before_update()  # an async save copies the state during forward/backward
         if scaler.is_enabled():
@@ -582,26 +627,40 @@ def run(run_dir: Path) -> int:
         if time.time() - window_t >= spec.heartbeat_interval:
             samples_per_s = (done - window_s) * spec.batch_size / (time.time() - window_t)
             window_t, window_s = time.time(), done
-        beat.beat(step=done, total=spec.steps, state=RankState.TRAINING, loss=loss_value,
-                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma)
+        beat.beat(
+            step=done,
+            total=spec.steps,
+            state=RankState.TRAINING,
+            loss=loss_value,
+            samples_per_s=samples_per_s,
+            checkpoint_step=last_ckpt,
+            compute_ms=compute_ewma,
+        )
         if rank == 0 and (time.time() - curve_t >= spec.heartbeat_interval or done == spec.steps):
             curve_t = time.time()  # the loss curve of the report's plot, redone steps included
-            timeline.append(run_dir / "curve.jsonl", {"time": curve_t, "step": done, "loss": loss_value,
-                                                       "world": world, "global_batch": global_batch})
+            timeline.append(
+                run_dir / "curve.jsonl",
+                {"time": curve_t, "step": done, "loss": loss_value, "world": world, "global_batch": global_batch},
+            )
         if done % spec.checkpoint_interval == 0 or done == spec.steps:
             save(done)
             if spec.elastic and world < spec.world_size and done < spec.steps:
                 grow_window(run_dir, spec, rank, done, checkpointer, beat, say)
-        if (spec.preemptible and done < spec.steps
-                and (done % PREEMPT_CHECK_STEPS == 0 or done % spec.checkpoint_interval == 0)
-                and preempt_point(run_dir, rank, done, save_and_wait, say)):
+        if (
+            spec.preemptible
+            and done < spec.steps
+            and (done % PREEMPT_CHECK_STEPS == 0 or done % spec.checkpoint_interval == 0)
+            and preempt_point(run_dir, rank, done, save_and_wait, say)
+        ):
             preempted_at = done
             break
         while committed:
             ref = committed.pop(0)
             injector.after_checkpoint(ref.step, Path(ref.path))
-            say(f"step {ref.step}/{spec.steps} checkpoint verified ({ref.bytes} bytes, "
-                f"manifest {ref.manifest_sha256[:12]})")
+            say(
+                f"step {ref.step}/{spec.steps} checkpoint verified ({ref.bytes} bytes, "
+                f"manifest {ref.manifest_sha256[:12]})"
+            )
     if checkpointer is not None:
         checkpointer.close()
         if injector.ballast_outlived(last_ckpt):
@@ -610,11 +669,18 @@ def run(run_dir: Path) -> int:
             injector.after_checkpoint(ref.step, Path(ref.path))
     # A preempted gang stopped at a verified checkpoint: its node tasks requeue the run.
     if preempted_at is None:
-        beat.beat(step=spec.steps, total=spec.steps, state=RankState.DONE, loss=loss_value,
-                  samples_per_s=samples_per_s, checkpoint_step=last_ckpt, compute_ms=compute_ewma, force=True)
+        beat.beat(
+            step=spec.steps,
+            total=spec.steps,
+            state=RankState.DONE,
+            loss=loss_value,
+            samples_per_s=samples_per_s,
+            checkpoint_step=last_ckpt,
+            compute_ms=compute_ewma,
+            force=True,
+        )
     if rank == 0 and preempted_at is None:  # standing spares and nodes waiting to join end with the run
-        write_json_atomic(run_dir / "control" / COMPLETE, {"step": spec.steps, "time": time.time(),
-                                                         "world": world})
+        write_json_atomic(run_dir / "control" / COMPLETE, {"step": spec.steps, "time": time.time(), "world": world})
     # Free model, optimizer and data before tearing the group down: workers otherwise
     # hang at exit in a fraction of runs.
     model = optimizer = workload = None  # (the closures above hold the cells, not the objects)
@@ -641,11 +707,23 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ.get("RANK", "-1"))
         user = isinstance(exc, UserCodeError)
         fatal = user or isinstance(exc, (CrashLoopError, ChipUnavailableError))
-        kind = ("user" if user else "crash_loop" if isinstance(exc, CrashLoopError)
-                else "chip_unavailable" if fatal else "infrastructure")
-        error = {"rank": rank, "kind": kind,  # bounded: it reaches XComs, the report, the page
-                 "type": type(exc.__cause__ or exc).__name__, "message": clip(exc),
-                 "traceback": traceback.format_exc()[-8000:], "time": time.time()}
+        kind = (
+            "user"
+            if user
+            else "crash_loop"
+            if isinstance(exc, CrashLoopError)
+            else "chip_unavailable"
+            if fatal
+            else "infrastructure"
+        )
+        error = {
+            "rank": rank,
+            "kind": kind,  # bounded: it reaches XComs, the report, the page
+            "type": type(exc.__cause__ or exc).__name__,
+            "message": clip(exc),
+            "traceback": traceback.format_exc()[-8000:],
+            "time": time.time(),
+        }
         err_dir = args.run_dir / "errors"
         err_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(err_dir / f"rank-{rank:05d}.json", error)
@@ -653,8 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             # A deterministic bug or a crash loop: restarting cannot help. Stop every agent.
             record(args.run_dir, "user_error" if user else kind, rank=rank, message=clip(exc))
             abort(args.run_dir, error)
-            print(f"[rank {rank}] {kind} failure, run aborted:\n{error['traceback']}",
-                  file=sys.stderr, flush=True)
+            print(f"[rank {rank}] {kind} failure, run aborted:\n{error['traceback']}", file=sys.stderr, flush=True)
             return ABORT_EXIT_CODE
         raise
 

@@ -15,6 +15,7 @@ from trainflow.errors import SpecError
 
 if TYPE_CHECKING:
     import torch
+
     from trainflow.spec import TrainingSpec
 
 BUILTINS = {
@@ -66,8 +67,11 @@ def resolve(name: str) -> Callable[["TrainingSpec"], Workload]:
     if name not in BUILTINS and not any(
         module_name == p or module_name.startswith(p + ".") for p in allowed_prefixes()
     ):
-        raise SpecError("workload", name, "module not allowed; add its package to "
-                        f"TRAINFLOW_WORKLOAD_MODULES (now {','.join(allowed_prefixes())})")
+        raise SpecError(
+            "workload",
+            name,
+            f"module not allowed; add its package to TRAINFLOW_WORKLOAD_MODULES (now {','.join(allowed_prefixes())})",
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -44,9 +44,15 @@ def build(spec: "TrainingSpec") -> Workload:
 
     (xtr, ytr), (xte, yte) = load_data()
     model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
     def loss(m, batch):
@@ -64,7 +70,10 @@ def build(spec: "TrainingSpec") -> Workload:
         }
 
     return Workload(
-        model=model, train=_Pairs(xtr, ytr), loss=loss, evaluate=evaluate,
+        model=model,
+        train=_Pairs(xtr, ytr),
+        loss=loss,
+        evaluate=evaluate,
         target=("accuracy", ">=", 0.95),
         info={"train_samples": len(ytr), "eval_samples": len(yte), "source": "sklearn.datasets.load_digits"},
     )

@@ -90,7 +90,8 @@ def _model(context: int, d: int = 128, heads: int = 4, layers: int = 2):
             b, t, _ = x.shape
             q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).unbind(2)
             a = nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
             return x + self.mlp(self.ln2(x))
 
@@ -137,13 +138,25 @@ def build(spec: "TrainingSpec") -> Workload:
         y = torch.stack([windows[i][1] for i in range(n)])
         nats = float(nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()))
         bpb = nats / math.log(2)
-        return {"bits_per_byte": bpb, "unigram_bits_per_byte": baseline,
-                "improvement_over_unigram": baseline / bpb, "eval_bytes": n * CONTEXT}
+        return {
+            "bits_per_byte": bpb,
+            "unigram_bits_per_byte": baseline,
+            "improvement_over_unigram": baseline / bpb,
+            "eval_bytes": n * CONTEXT,
+        }
 
     return Workload(
-        model=model, train=_Windows(train, CONTEXT, CONTEXT // 2), loss=loss, evaluate=evaluate,
-        shard_modules=list(model.blocks), target=("improvement_over_unigram", ">=", 2.0),
-        info={"corpus_fingerprint": fingerprint, "train_bytes": len(train_bytes),
-              "eval_bytes": len(held_bytes), "unigram_bits_per_byte": baseline,
-              "context": CONTEXT},
+        model=model,
+        train=_Windows(train, CONTEXT, CONTEXT // 2),
+        loss=loss,
+        evaluate=evaluate,
+        shard_modules=list(model.blocks),
+        target=("improvement_over_unigram", ">=", 2.0),
+        info={
+            "corpus_fingerprint": fingerprint,
+            "train_bytes": len(train_bytes),
+            "eval_bytes": len(held_bytes),
+            "unigram_bits_per_byte": baseline,
+            "context": CONTEXT,
+        },
     )
