@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from trainflow.adapters.hf import TrainflowCallback, output_dir, resume_from
 
@@ -46,11 +47,24 @@ class Bytes(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
+class StepTimes(TrainerCallback):
+    """``--step-times FILE``: rank 0 appends ``<unix time> <step>`` after every optimizer step
+    (what a benchmark reads to compare this same program under torchrun and under trainflow)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1) if int(os.environ.get("RANK", "0")) == 0 else None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.file is not None:
+            self.file.write(f"{time.time():.6f} {state.global_step}\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--out", default="hf-out")
+    parser.add_argument("--step-times", help="append '<time> <step>' per step to this file (rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -70,7 +84,8 @@ def main() -> int:
         seed=0,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=Bytes(), callbacks=[TrainflowCallback()])
+    callbacks = [TrainflowCallback(), *([StepTimes(args.step_times)] if args.step_times else [])]
+    trainer = Trainer(model=model, args=training, train_dataset=Bytes(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume_from())
     return 0
 

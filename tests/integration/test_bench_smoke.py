@@ -19,3 +19,17 @@ def test_throughput_smoke_measures_every_side(tmp_path):
     case = json.loads(out.read_text())["cases"]["digits/ddp"]
     assert case["plain_median"] > 0 and case["worker_median"] > 0
     assert 0 < case["worker_ratio"] < 10
+
+
+def test_program_overhead_smoke_measures_both_recoveries_and_the_raw_side(tmp_path):
+    """The Hugging Face program's benchmark, without its DAG side (the same program runs
+    through the DAG in tests/e2e/test_programs.py)."""
+    out = tmp_path / "program_overhead.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "program_overhead.py"), "--smoke", "--no-dag", "--out", str(out)],
+        check=True,
+        timeout=900,
+    )
+    result = json.loads(out.read_text())
+    assert result["recovery_raw_median_s"] > 0 and result["recovery_trainflow_median_s"] > 0
+    assert result["raw"][0]["steps_per_s"] > 0 and result["raw"][0]["wall_s"] > 0
