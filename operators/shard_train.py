@@ -103,7 +103,8 @@ class ShardTrainOperator(BaseOperator):
         from trainflow.workspace import completed
 
         store = context.get("task_state_store")
-        attempt = NodeTry(plan, node, try_number)
+        run_try = try_number - self._try_base(store, plan, try_number)  # the retry budget's count
+        attempt = NodeTry(plan, node, try_number, run_try=run_try)
         for check in attempt.begin():
             self.log.info("preflight %s: %s", check.name, check.detail)
         durable = durable_store(plan)  # one client for the fetch and the uploads

@@ -177,7 +177,35 @@ def status(client, dag: str, run_id: str) -> dict[str, Any]:
         if exc.status != 404:  # no workspace yet (provision has not run): no progress
             raise
         detail = None
-    return {"dag_id": dag, "run_id": run_id, "state": run["state"], "tasks": tasks, "progress": detail}
+    st = {"dag_id": dag, "run_id": run_id, "state": run["state"], "tasks": tasks, "progress": detail}
+    st["nodes"], st["reason"] = node_rows(st), (detail or {}).get("state_reason")
+    return st
+
+
+def node_rows(st: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per node: its ``shard_train`` task's Airflow state and try, and from the run's
+    workspace its agent's state, host, try within the run's retry budget, tries left and
+    the host's cordon."""
+    agents = {a.get("node"): a for a in ((st.get("progress") or {}).get("node_agents") or [])}
+    indices = sorted(
+        {int(name[len("shard_train[") : -1]) for name in st["tasks"] if name.startswith("shard_train[")} | set(agents)
+    )
+    rows = []
+    for i in indices:
+        task, agent = st["tasks"].get(f"shard_train[{i}]") or {}, agents.get(i) or {}
+        rows.append(
+            {
+                "node": i,
+                "task_state": task.get("state"),
+                "airflow_try": task.get("try"),
+                "agent_state": agent.get("state"),
+                "host": agent.get("host"),
+                "try": agent.get("try"),
+                "tries_left": agent.get("tries_left"),
+                "cordoned": agent.get("cordoned"),
+            }
+        )
+    return rows
 
 
 def progress_line(st: dict[str, Any], started: float | None = None, now: float | None = None) -> str:
@@ -208,6 +236,15 @@ def cmd_status(client, args) -> int:
         print(json.dumps(st, indent=1, sort_keys=True))
     else:
         print(f"{args.dag}/{args.run_id}: {progress_line(st)}")
+        if st.get("reason"):
+            print(f"  why: {st['reason']}")
+        for n in st["nodes"]:
+            left = "" if n["tries_left"] is None else f", {n['tries_left']} left"
+            cordon = f"  CORDONED: {n['cordoned'].get('reason')}" if n.get("cordoned") else ""
+            print(
+                f"  node {n['node']:<3} task {n['task_state'] or 'none':<12} agent {n['agent_state'] or '-':<10} "
+                f"host {n['host'] or '-':<16} try {n['try'] if n['try'] is not None else n['airflow_try']}{left}{cordon}"
+            )
         for name, t in sorted(st["tasks"].items()):
             print(f"  {name:<24} {t['state'] or 'none':<14} try {t['try']}")
     return EXIT_FAILED if st["state"] == "failed" else EXIT_OK

@@ -60,6 +60,17 @@ class Handler(BaseHTTPRequestHandler):
                     "loss": 0.25,
                     "samples_per_s": 900.0,
                     "ranks": [{"healthy": True}, {"healthy": False}],
+                    "state_reason": "healing: rank 1 exited (signal SIGKILL) at 10:00:00 UTC; the gang restarts",
+                    "node_agents": [
+                        {
+                            "node": 0,
+                            "state": "running",
+                            "host": "gpu-7",
+                            "try": 2,
+                            "tries_left": 1,
+                            "cordoned": {"since": 1.0, "reason": "3 failures in 600 s"},
+                        },
+                    ],
                 },
             )
         self._send(404, {"detail": "unknown path"})
@@ -174,3 +185,29 @@ def test_cancel_fails_again_a_task_whose_deferral_landed_after_it(capsys):
     assert airflow.run("train_digits", "r1")["state"] == "failed"
     assert airflow.states[("release", -1)] is None  # the teardown is left to free the nodes
     assert "cancelled train_digits/r1 (3 task instances failed)" in capsys.readouterr().out
+
+
+def test_status_says_why_and_shows_each_node(server, capsys):
+    """The reason line and, per node, the Airflow task's state beside the agent's host, its
+    try within the run's retry budget, the tries left and the host's cordon."""
+    assert main(["status", "r-live"]) == 0
+    out = capsys.readouterr().out
+    assert "why: healing: rank 1 exited (signal SIGKILL)" in out
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("node 0")]
+    assert "task success" in line and "host gpu-7" in line and "try 2, 1 left" in line
+    assert "CORDONED: 3 failures in 600 s" in line
+    assert main(["status", "r-live", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["nodes"] == [
+        {
+            "node": 0,
+            "task_state": "success",
+            "airflow_try": 1,
+            "agent_state": "running",
+            "host": "gpu-7",
+            "try": 2,
+            "tries_left": 1,
+            "cordoned": {"since": 1.0, "reason": "3 failures in 600 s"},
+        }
+    ]
+    assert st["reason"].startswith("healing:")

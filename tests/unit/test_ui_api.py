@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,13 +108,15 @@ def home(tmp_path_factory):
         ws.plan_file,
         build_plan(spec, dag_id="train_digits", run_id=RUN, run_dir=str(ws.dir), rdzv_endpoint="sqlite:///x"),
     )
+    # A stall the gang has healed from (every rank progressed after it); its message carries
+    # user text.
+    timeline.record(ws.dir, "stall_detected", ranks=[1], message=XSS, time=time.time() - 30)
     for rank in (0, 1):
         HeartbeatWriter(ws.heartbeats, rank=rank, node=rank, interval=1, world=2).beat(
             step=10 + rank, total=60, state=RankState.TRAINING, loss=0.7, samples_per_s=500.0, force=True
         )
     for step, loss in ((1, 2.3), (10, 0.7)):
         timeline.append(ws.dir / "curve.jsonl", {"time": 1.0, "step": step, "loss": loss})
-    timeline.record(ws.dir, "stall_detected", ranks=[1], message=XSS)  # messages carry user text
     return home
 
 

@@ -115,6 +115,30 @@ def _aborted(run_dir: Path) -> None:
     abort(run_dir, {"rank": 1, "kind": "user", "message": "ZeroDivisionError in loss"})
 
 
+def _rank_killed(run_dir: Path) -> None:
+    commit_checkpoint(run_dir, 20)
+    timeline.record(run_dir, "first_step", step=1)
+    timeline.record(run_dir, "worker_exited", node=1, rank=1, exitcode=-9, signal="SIGKILL", pid=7, step=25)
+
+
+def _rank_killed_and_healed(run_dir: Path) -> None:
+    _rank_killed(run_dir)
+    timeline.record(run_dir, "gang_start", step=20, world=2)
+    timeline.record(run_dir, "first_step", step=21)
+
+
+def _preempted(run_dir: Path) -> None:
+    write_json_atomic(run_dir / "control" / "preempted.json", {"by": "t/hi/1", "step": 40, "time": 1.0})
+
+
+def _preempt_asked(run_dir: Path) -> None:
+    write_json_atomic(run_dir / "control" / "preempt-request.json", {"by": "t/hi/1", "reason": "priority"})
+
+
+def _marked_failed(run_dir: Path) -> None:
+    abort(run_dir, {"node": 0, "kind": "member_ended", "message": "node 0's task is failed", "time": 1.0e9})
+
+
 def _agents_failed(run_dir: Path) -> None:
     for node, state in ((0, "failed"), (1, "succeeded")):
         write_json_atomic(
@@ -133,8 +157,34 @@ def _agents_failed(run_dir: Path) -> None:
         ({0: training(5), 1: training(5)}, _completed, 600, RunState.COMPLETED, "complete.json"),
         ({0: training(5), 1: training(5)}, _aborted, 0, RunState.FAILED, "ZeroDivisionError"),
         ({0: training(5), 1: training(5)}, _agents_failed, 0, RunState.FAILED, "node 0 failed: boom"),
+        (
+            {0: training(5), 1: training(5)},
+            _rank_killed,
+            0,
+            RunState.HEALING,
+            "healing: rank 1 exited (signal SIGKILL) at",
+        ),
+        ({0: training(5), 1: training(5)}, _rank_killed, 0, RunState.HEALING, "from checkpoint step 20"),
+        ({0: training(5), 1: training(5)}, _rank_killed_and_healed, 0, RunState.RUNNING, "progressing"),
+        ({0: training(5), 1: training(5)}, _preempted, 0, RunState.PREEMPTED, "by t/hi/1 at step 40"),
+        ({0: training(5), 1: training(5)}, _preempt_asked, 0, RunState.PREEMPTED, "stopping at the next checkpoint"),
+        ({0: training(5), 1: training(5)}, _marked_failed, 0, RunState.FAILED, "ended at 01:46:40 UTC: node 0's"),
     ],
-    ids=["pending", "running", "stalled", "startup-timeout", "completed", "aborted", "agent-failed"],
+    ids=[
+        "pending",
+        "running",
+        "stalled",
+        "startup-timeout",
+        "completed",
+        "aborted",
+        "agent-failed",
+        "healing",
+        "healing-from",
+        "healed",
+        "preempted",
+        "preempt-asked",
+        "marked-failed",
+    ],
 )
 def test_run_state_is_derived_from_the_files(tmp_path, beats, act, later, state, reason):
     run_dir = make_run(tmp_path, beats=beats)
@@ -297,3 +347,19 @@ def test_a_run_before_provision_has_no_allocation_or_goodput(tmp_path):
     assert row["allocation"] is None and row["goodput"] is None
     d = run_detail(tmp_path, "default", "train_digits", "manual__1")
     assert d["faults"] == [] and d["membership"] == [] and d["recovery_s"] is None
+
+
+def test_each_node_shows_its_host_try_tries_left_and_cordon(tmp_path):
+    """What the node task's try marker (``cluster.nodes.NodeTry``) records, and the host
+    registry's cordon through the lookup the page is given."""
+    from trainflow.cluster.hosts import Cordon
+
+    run_dir = make_run(tmp_path, beats={0: training(5), 1: training(5)})
+    write_json_atomic(run_dir / "nodes" / "task-0000.json", {"host": "h0", "try": 1, "run_try": 1, "tries": 3})
+    write_json_atomic(run_dir / "nodes" / "task-0001.json", {"host": "h1", "try": 7, "run_try": 2, "tries": 3})
+    cordons = {"h1": Cordon("h1", 5.0, "3 failures in 600 s")}
+    d = run_detail(tmp_path, "default", "train_digits", "manual__1", cordoned=cordons.get)
+    rows = {n["node"]: n for n in d["node_agents"]}
+    assert (rows[0]["host"], rows[0]["try"], rows[0]["tries_left"], rows[0]["cordoned"]) == ("h0", 1, 2, None)
+    assert (rows[1]["host"], rows[1]["try"], rows[1]["tries_left"]) == ("h1", 2, 1)
+    assert rows[1]["cordoned"] == {"since": 5.0, "reason": "3 failures in 600 s"}

@@ -62,8 +62,12 @@ class NodeTry:
         host: str | None = None,
         registry: HostRegistry | None = None,
         policy: CordonPolicy | None = None,
+        run_try: int | None = None,
     ) -> None:
         self.plan, self.node, self.try_number = plan, node, try_number
+        # The try within the run's retry budget (a cleared run counts afresh, while Airflow's
+        # try numbers go on), shown beside the budget on the training page and in `status`.
+        self.run_try = try_number if run_try is None else run_try
         self.run_dir = Path(plan["run_dir"])
         self.host = host or host_name()
         self.hosts = registry or HostRegistry()
@@ -97,7 +101,11 @@ class NodeTry:
                     policy=self.policy,
                 )
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "pid": os.getpid()})
+        tries = int((self.plan.get("spec") or {}).get("retries", 0)) + 1
+        write_json_atomic(
+            self.marker,
+            {"host": self.host, "try": self.try_number, "run_try": self.run_try, "tries": tries, "pid": os.getpid()},
+        )
         self.started = time.time()
         try:
             return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts, policy=self.policy)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from trainflow.heartbeat import HeartbeatPolicy, RankState, Verdict, classify, c
 from trainflow.remediation import aborted
 from trainflow.timeline import read as timeline_read
 from trainflow.timeline import read_lines
-from trainflow.workspace import Workspace, completed
+from trainflow.workspace import Workspace, completed, preempted
 
 # Loss points returned at most (a long run's curve is thinned evenly, its last point kept).
 MAX_CURVE_POINTS = 1000
@@ -55,17 +56,54 @@ class RunState(str, enum.Enum):
     """A run as its files show it now.
 
     PENDING (planned, no rank has reported) → RUNNING → COMPLETED (rank 0 wrote
-    ``control/complete.json``); RUNNING → STALLED (a rank made no progress for the spec's
-    ``heartbeat_timeout``, or never reported within ``startup_timeout``); any state →
-    FAILED (the run's ABORT record, or every node agent ended and one failed or aborted).
-    STALLED and FAILED may still heal: the heartbeat watch and Airflow retries replace nodes.
+    ``control/complete.json``); RUNNING → HEALING (a worker exited, a node was lost or a
+    stall was detected, and the gang has not trained a step since) → RUNNING; RUNNING →
+    STALLED (a rank made no progress for the spec's ``heartbeat_timeout``, or never
+    reported within ``startup_timeout``); RUNNING → PREEMPTED (stopped at a checkpoint for a
+    higher-priority run) → RUNNING once admitted again; any state → FAILED (the run's ABORT
+    record, or every node agent ended and one failed or aborted). STALLED and FAILED may
+    still heal: the heartbeat watch and Airflow retries replace nodes.
     """
 
     PENDING = "pending"
     RUNNING = "running"
+    HEALING = "healing"
     STALLED = "stalled"
+    PREEMPTED = "preempted"
     COMPLETED = "completed"
     FAILED = "failed"
+
+
+# Observations that stop the gang's progress until it trains a step again ("first_step").
+_STOPPING_EVENTS = frozenset({"worker_exited", "stall_detected", "node_lost"})
+
+
+def _clock(t: Any) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(float(t))) if isinstance(t, (int, float)) else "?"
+
+
+def _healing(events: list[dict], beats: dict[int, dict], newest_checkpoint: int | None) -> str | None:
+    """Why the gang is not training, if its newest stopping observation came after its
+    newest first step and after every rank's last progress; None when it trains."""
+    last_fault = next((e for e in reversed(events) if e.get("event") in _STOPPING_EVENTS), None)
+    if last_fault is None:
+        return None
+    at_fault = float(last_fault.get("time", 0))
+    last_step = next((e for e in reversed(events) if e.get("event") == "first_step"), None)
+    if last_step is not None and float(last_step.get("time", 0)) >= at_fault:
+        return None
+    if any(float(b.get("progress_time") or 0) > at_fault for b in beats.values()):
+        return None
+    at = _clock(last_fault.get("time"))
+    if last_fault["event"] == "worker_exited":
+        how = (
+            f"signal {last_fault['signal']}" if last_fault.get("signal") else f"exit code {last_fault.get('exitcode')}"
+        )
+        what = f"rank {last_fault.get('rank')} exited ({how}) at {at}"
+    else:
+        what = f"{clip(str(last_fault.get('message') or last_fault['event']), 200)} at {at}"
+    start = "the newest verified checkpoint" if newest_checkpoint is None else f"checkpoint step {newest_checkpoint}"
+    return f"healing: {what}; the gang restarts together from {start}"
 
 
 def _json(path: Path) -> Any:
@@ -88,12 +126,23 @@ def _workspace(root: Path, tenant: str, dag_id: str, run_id: str) -> Workspace:
     return Workspace(Path(root), tenant, dag_id, run_id)
 
 
-def _nodes(run_dir: Path) -> list[dict]:
+def _nodes(run_dir: Path, cordoned: Callable[[str], Any] | None = None) -> list[dict]:
+    """Each node agent's status, with the host its current task try runs on, the try within
+    the run's retry budget and the tries the budget allows, and the host's cordon (through
+    ``cordoned(host)``, the host registry's lookup, where given)."""
     out = []
     for p in sorted((run_dir / "nodes").glob("node-*.json")):
         status = _json(p)
         if isinstance(status, dict) and "node" in status:
-            out.append({k: status.get(k) for k in ("node", "state", "started", "ended", "error")})
+            row = {k: status.get(k) for k in ("node", "state", "started", "ended", "error")}
+            task = _json_dict(run_dir / "nodes" / f"task-{int(status['node']):04d}.json")
+            row["host"] = task.get("host")
+            row["try"] = task.get("run_try", task.get("try"))
+            tries = task.get("tries")
+            row["tries_left"] = None if tries is None or row["try"] is None else max(0, int(tries) - int(row["try"]))
+            cordon = cordoned(row["host"]) if cordoned is not None and row["host"] else None
+            row["cordoned"] = None if cordon is None else {"since": cordon.since, "reason": clip(cordon.reason)}
+            out.append(row)
     return out
 
 
@@ -133,13 +182,25 @@ def _state(
     if completed(run_dir):
         return RunState.COMPLETED, "training finished (control/complete.json)"
     if (abort := aborted(run_dir)) is not None:
-        return RunState.FAILED, f"aborted: {abort.get('message', abort)}"
+        when = f" at {_clock(abort['time'])}" if isinstance(abort.get("time"), (int, float)) else ""
+        return RunState.FAILED, f"ended{when}: {abort.get('message', abort)}"
+    if (stop := preempted(run_dir)) is not None:
+        if "requested" in stop:
+            by = (stop["requested"] or {}).get("by", "a higher-priority run")
+            return RunState.PREEMPTED, f"preempted by {by}: stopping at the next checkpoint"
+        return RunState.PREEMPTED, (
+            f"preempted by {stop.get('by', 'a higher-priority run')} at step {stop.get('step')}: waits in the "
+            "pool's queue and resumes from that checkpoint"
+        )
     ended = [n for n in nodes if n["state"] not in ("running", None)]
     if nodes and len(ended) == len(nodes) and any(n["state"] in ("failed", "aborted") for n in ended):
         bad = next(n for n in ended if n["state"] in ("failed", "aborted"))
         return RunState.FAILED, f"node {bad['node']} {bad['state']}: {bad.get('error') or 'no error recorded'}"
     if not beats:
         return RunState.PENDING, "no rank has reported yet"
+    newest = list_checkpoints(run_dir / "checkpoints")
+    if (why := _healing(timeline_read(run_dir), beats, newest[0][0] if newest else None)) is not None:
+        return RunState.HEALING, why
     policy = HeartbeatPolicy(
         timeout=float(spec.get("heartbeat_timeout", 60.0)), startup_timeout=float(spec.get("startup_timeout", 300.0))
     )
@@ -308,9 +369,18 @@ def _kind(event: str) -> str:
     return "recovery" if event in RECOVERY_EVENTS else "fault"
 
 
-def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float | None = None) -> dict:
+def run_detail(
+    root: Path,
+    tenant: str,
+    dag_id: str,
+    run_id: str,
+    *,
+    now: float | None = None,
+    cordoned: Callable[[str], Any] | None = None,
+) -> dict:
     """One run: its summary, rank and node health, loss curve, evaluation, checkpoints,
-    errors and timeline.
+    errors and timeline. ``cordoned(host)`` (the host registry's lookup) adds each node's
+    host cordon.
 
     Raises:
         SpecError: a name is not a valid workspace name (it would escape the root).
@@ -339,7 +409,7 @@ def run_detail(root: Path, tenant: str, dag_id: str, run_id: str, *, now: float 
         **summary,
         "spec": spec,
         "ranks": _ranks(beats, gang, float(spec.get("heartbeat_timeout", 60.0)), now),
-        "node_agents": _nodes(ws.dir),
+        "node_agents": _nodes(ws.dir, cordoned),
         "loss_curve": _curve(ws.dir),
         "evaluation": metrics if isinstance(metrics, dict) else None,
         "report_available": ws.report_file.exists(),
