@@ -330,6 +330,13 @@ class Action(str, enum.Enum):
 def decide(verdict: Verdict, *, replacements: int, budget: int, aborted: bool = False) -> Action:
     """Pure decision on a classification: time-free, so trivially testable.
 
+    The watch's invariant (with ``classify``): a run none of whose ranks made progress for
+    longer than both ``heartbeat_timeout`` and ``startup_timeout`` — counted from the
+    watch's start and each node's latest restart, so a restart under way moves the moment,
+    never removes it — is never left waiting: its stalled nodes are replaced, or, with the
+    replacement budget spent or the run aborted, it fails. A property test holds this over
+    arbitrary heartbeats.
+
     Args:
         verdict: the current classification.
         replacements: node replacements already requested for this run.

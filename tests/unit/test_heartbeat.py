@@ -1,6 +1,18 @@
 from __future__ import annotations
 
-from trainflow.heartbeat import HeartbeatPolicy, HeartbeatWriter, RankState, Verdict, classify, read_all
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainflow.heartbeat import (
+    Action,
+    HeartbeatPolicy,
+    HeartbeatWriter,
+    RankState,
+    Verdict,
+    classify,
+    decide,
+    read_all,
+)
 
 POLICY = HeartbeatPolicy(timeout=10, startup_timeout=60)
 
@@ -238,3 +250,52 @@ def test_node_starts_reads_each_nodes_current_agent(tmp_path):
     (tmp_path / "nodes" / "node-0002.json").write_text("{not json")
     write_json_atomic(tmp_path / "nodes" / "task-0000.json", {"host": "vm", "try": 2})
     assert node_starts(tmp_path) == {0: 12.5}
+
+
+# -- the no-hang invariant ----------------------------------------------------------------
+
+_STATES = [s.value for s in RankState]
+
+
+@st.composite
+def _quiet_runs(draw):
+    """A run of which no rank has progressed since ``quiet``, whatever its ranks' states,
+    missing ranks, node restarts (all before ``quiet``) and elastic world sizes."""
+    world = draw(st.integers(1, 4))
+    nodes = draw(st.integers(1, world))
+    quiet = 1_000.0
+    beats = {}
+    for rank in range(world):
+        if draw(st.booleans()) or rank == 0:
+            beats[rank] = {
+                "step": draw(st.integers(0, 500)),
+                "state": draw(st.sampled_from(_STATES)),
+                "progress_time": draw(st.floats(0.0, quiet)),
+                "time": quiet,
+                "node": rank % nodes,
+                **({"world": world, "started": draw(st.floats(0.0, quiet))} if draw(st.booleans()) else {}),
+            }
+    restarts = {n: draw(st.floats(0.0, quiet)) for n in range(nodes) if draw(st.booleans())}
+    started_at = draw(st.floats(0.0, quiet))
+    policy = HeartbeatPolicy(timeout=draw(st.floats(1.0, 600.0)), startup_timeout=draw(st.floats(5.0, 7200.0)))
+    return beats, world, restarts, started_at, policy, quiet
+
+
+@settings(max_examples=200, deadline=None)
+@given(_quiet_runs(), st.integers(0, 10), st.integers(0, 10))
+def test_a_run_without_progress_always_restarts_or_fails(run, replacements, budget):
+    """The watch's invariant: once no rank has made progress for longer than both the
+    progress timeout and the startup window (counted from the watch's start and from each
+    node's latest restart), the run is never left waiting — it is complete, or its nodes
+    are replaced (a restart), or it fails. A restart under way (a node started again, the
+    watch started again) only moves that moment, by at most the startup window."""
+    beats, world, restarts, started_at, policy, quiet = run
+    now = quiet + max(policy.timeout, policy.startup_timeout) + 0.001
+    result = classify(beats, now=now, world_size=world, started_at=started_at, policy=policy, node_started=restarts)
+    action = decide(result.verdict, replacements=replacements, budget=budget)
+    if result.verdict == Verdict.COMPLETE:
+        assert all(b["state"] == RankState.DONE.value for b in beats.values())
+        return
+    assert result.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT), result
+    assert action in (Action.REPLACE_NODES, Action.FAIL)
+    assert (action == Action.FAIL) == (replacements >= budget)
