@@ -88,14 +88,17 @@ def fault_records(events: list[dict]) -> list[dict]:
                     **({"detected_time": e["time"], "detection_s": 0.0} if e["event"] == "stall_detected" else {}),
                 }
             )
-        elif e["event"] == "resumed":
+        elif e["event"] in ("resumed", "first_step"):
+            # A gang that restarted with no verified checkpoint starts over without a
+            # "resumed": its first step ends the fault then (from step 0).
+            start = e["step"] if e["event"] == "resumed" else max(0, int(e.get("step") or 1) - 1)
             for rec in out:
                 if rec["restarts"] and "resumed_time" not in rec and rec["time"] <= e["time"]:
                     rec["resumed_time"] = e["time"]
                     rec["recovery_s"] = round(e["time"] - rec["time"], 3)
-                    rec["resumed_from_step"] = e["step"]
+                    rec["resumed_from_step"] = start
                     if rec.get("step") is not None:
-                        rec["steps_lost"] = max(0, rec["step"] - 1 - e["step"])
+                        rec["steps_lost"] = max(0, rec["step"] - 1 - start)
     return out
 
 
@@ -108,7 +111,13 @@ def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dic
     events = [e for e in timeline.read(run_dir) if "event" in e and "time" in e]
     faults = fault_records(events)
     wall = max(ended - started, 1e-9)
-    recovering = sum(f.get("recovery_s", 0.0) for f in faults)
+    for f in faults:
+        if f.get("restarts") and "recovery_s" not in f:
+            # Still open (the gang has not trained since): charged up to ``ended``, which for
+            # a live run is now, so a run that is down reads its goodput falling.
+            f["open"] = True
+            f["open_s"] = round(max(0.0, ended - float(f["time"])), 3)
+    recovering = sum(f.get("recovery_s", f.get("open_s", 0.0)) for f in faults)
     lost = sum(f.get("steps_lost", 0) for f in faults)
     step_time = max(wall - recovering, 0.0) / max(steps + lost, 1)
     wasted = recovering + lost * step_time

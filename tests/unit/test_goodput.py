@@ -48,6 +48,28 @@ def test_summary_goodput(tmp_path):
     assert summarize(tmp_path / "none", started=0, ended=10, steps=10)["goodput"] == 1.0
 
 
+def test_an_open_fault_is_charged_up_to_now(tmp_path):
+    """A rank killed from outside 30 s ago and no resume yet: the fault is open and the
+    live run's goodput counts those 30 s lost, not 100 %."""
+    record(tmp_path, "worker_exited", rank=1, signal="SIGKILL", exitcode=-9, step=40, time=70.0)
+    s = summarize(tmp_path, started=0.0, ended=100.0, steps=40)
+    (fault,) = s["faults"]
+    assert fault["open"] is True and fault["open_s"] == 30.0 and "recovery_s" not in fault
+    assert s["recovery_s"] == 30.0 and s["goodput"] == pytest.approx(0.7)
+    record(tmp_path, "resumed", step=40, time=75.0)
+    assert summarize(tmp_path, started=0.0, ended=100.0, steps=80)["faults"][0].get("open") is None
+
+
+def test_a_restart_with_no_checkpoint_ends_its_fault_at_the_first_step():
+    events = [
+        {"event": "worker_exited", "rank": 1, "signal": "SIGKILL", "exitcode": -9, "step": 30, "time": 10.0},
+        {"event": "gang_start", "step": 0, "time": 12.0},
+        {"event": "first_step", "step": 1, "time": 14.0},
+    ]
+    (rec,) = fault_records(events)
+    assert rec["recovery_s"] == 4.0 and rec["resumed_from_step"] == 0 and rec["steps_lost"] == 29
+
+
 def test_parse_faults():
     (f,) = parse_faults([{"kind": "stop_rank", "step": 3, "rank": 1}], world_size=2, steps=10)
     assert f.kind == FaultKind.STOP_RANK and f.to_dict() == {"kind": "stop_rank", "step": 3, "rank": 1}

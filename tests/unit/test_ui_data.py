@@ -363,3 +363,18 @@ def test_each_node_shows_its_host_try_tries_left_and_cordon(tmp_path):
     assert (rows[0]["host"], rows[0]["try"], rows[0]["tries_left"], rows[0]["cordoned"]) == ("h0", 1, 2, None)
     assert (rows[1]["host"], rows[1]["try"], rows[1]["tries_left"]) == ("h1", 2, 1)
     assert rows[1]["cordoned"] == {"since": 5.0, "reason": "3 failures in 600 s"}
+
+
+def test_a_gang_that_does_not_train_reads_zero_throughput(tmp_path):
+    """Healing (a rank exited, no step since) and stalled runs show 0 samples/s, not their
+    ranks' last rates; a stalled rank's own rate reads 0 too."""
+    run_dir = make_run(tmp_path, beats={0: training(5), 1: training(5)})
+    [row] = list_runs(tmp_path)
+    assert row["state"] == RunState.RUNNING.value and row["samples_per_s"] == 200.0
+    [row] = list_runs(tmp_path, now=time.time() + 60)
+    assert row["state"] == RunState.STALLED.value and row["samples_per_s"] == 0.0
+    d = run_detail(tmp_path, "default", "train_digits", "manual__1", now=time.time() + 60)
+    assert [r["samples_per_s"] for r in d["ranks"]] == [0.0, 0.0]
+    _rank_killed(run_dir)
+    [row] = list_runs(tmp_path)
+    assert row["state"] == RunState.HEALING.value and row["samples_per_s"] == 0.0

@@ -74,6 +74,9 @@ class RunState(str, enum.Enum):
     FAILED = "failed"
 
 
+# States in which the gang trains no step.
+_NOT_TRAINING = frozenset({RunState.HEALING, RunState.STALLED, RunState.PREEMPTED, RunState.FAILED})
+
 # Observations that stop the gang's progress until it trains a step again ("first_step").
 _STOPPING_EVENTS = frozenset({"worker_exited", "stall_detected", "node_lost"})
 
@@ -246,8 +249,15 @@ def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
         "step": min(steps) if steps else None,
         "total_steps": spec.get("steps"),
         "loss": rank0.get("loss"),
-        # Each rank reports its own samples/s; the gang's throughput is their sum.
-        "samples_per_s": round(sum(float(b.get("samples_per_s") or 0.0) for b in gang.values()), 1) if gang else None,
+        # Each rank reports its own samples/s; the gang's throughput is their sum — and 0 while
+        # it does not train (its ranks' last rates are history, not throughput).
+        "samples_per_s": (
+            0.0
+            if state in _NOT_TRAINING
+            else round(sum(float(b.get("samples_per_s") or 0.0) for b in gang.values()), 1)
+        )
+        if gang
+        else None,
         "last_heartbeat_age_s": None if last_beat is None else round(max(0.0, now - last_beat), 3),
         "state": state.value,
         "state_reason": reason,
@@ -292,6 +302,10 @@ def _ranks(beats: dict[int, dict], gang: dict[int, dict], timeout: float, now: f
         progress_age = now - float(b.get("progress_time", b.get("time", now)))
         alive_age = now - float(b.get("alive", b.get("time", now)))
         state = b.get("state")
+        # A rank left over from a larger gang (an elastic run shrank) is not watched.
+        healthy = (
+            r in gang and state != RankState.FAILED.value and (state == RankState.DONE.value or progress_age <= timeout)
+        )
         out.append(
             {
                 "rank": r,
@@ -301,17 +315,14 @@ def _ranks(beats: dict[int, dict], gang: dict[int, dict], timeout: float, now: f
                 "step": b.get("step"),
                 "total": b.get("total"),
                 "loss": b.get("loss"),
-                "samples_per_s": b.get("samples_per_s"),
+                "samples_per_s": b.get("samples_per_s") if healthy else 0.0,
                 "compute_ms": b.get("compute_ms"),
                 "phase": b.get("phase"),
                 "checkpoint_step": b.get("checkpoint_step"),
                 "progress_age_s": round(max(0.0, progress_age), 3),
                 "alive_age_s": round(max(0.0, alive_age), 3),
-                # A rank left over from a larger gang (an elastic run shrank) is not watched.
                 "in_gang": r in gang,
-                "healthy": r in gang
-                and state != RankState.FAILED.value
-                and (state == RankState.DONE.value or progress_age <= timeout),
+                "healthy": healthy,
             }
         )
     return out
