@@ -34,6 +34,7 @@ class HeartbeatTrigger(BaseTrigger):
     :param max_remediations: node replacements requested before the watch gives up.
     :param straggler_margin: compute-time excess over the peers' median that flags a straggler.
     :param exclude_stragglers: replace a confirmed straggler's node after the next checkpoint.
+    :param checkpoint_timeout: seconds a rank may go without a step while it saves or evaluates.
     """
 
     def __init__(
@@ -48,8 +49,10 @@ class HeartbeatTrigger(BaseTrigger):
         max_remediations: int = 0,
         straggler_margin: float = 0.5,
         exclude_stragglers: bool = False,
+        checkpoint_timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self.checkpoint_timeout = checkpoint_timeout
         self.exclude_stragglers = exclude_stragglers
         self.max_remediations = max_remediations
         self.straggler_margin = straggler_margin
@@ -68,6 +71,7 @@ class HeartbeatTrigger(BaseTrigger):
                 "world_size": self.world_size,
                 "timeout": self.timeout,
                 "startup_timeout": self.startup_timeout,
+                "checkpoint_timeout": self.checkpoint_timeout,
                 "started_at": self.started_at,
                 "poll_interval": self.poll_interval,
                 "max_remediations": self.max_remediations,
@@ -84,7 +88,9 @@ class HeartbeatTrigger(BaseTrigger):
             now=now,
             world_size=self.world_size,
             started_at=self.started_at,
-            policy=HeartbeatPolicy(timeout=self.timeout, startup_timeout=self.startup_timeout),
+            policy=HeartbeatPolicy(
+                timeout=self.timeout, startup_timeout=self.startup_timeout, checkpoint_timeout=self.checkpoint_timeout
+            ),
             node_started=node_started,
         )
 
@@ -241,6 +247,7 @@ class HeartbeatSensor(BaseSensorOperator):
                 world_size=plan["world_size"],
                 timeout=spec["heartbeat_timeout"],
                 startup_timeout=spec["startup_timeout"],
+                checkpoint_timeout=spec.get("checkpoint_timeout"),
                 started_at=time.time(),
                 poll_interval=self.poll_interval,
                 max_remediations=spec["retries"] * len(plan["nodes"]),

@@ -42,8 +42,19 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class HeartbeatPolicy:
+    """How long a rank may go without progress: ``timeout`` while it steps,
+    ``startup_timeout`` while it starts (and before the watch saw it progress), and
+    ``checkpoint_timeout`` (at least ``timeout``) while its heartbeat's phase is a save or an
+    evaluation."""
+
     timeout: float
     startup_timeout: float
+    checkpoint_timeout: float | None = None
+
+
+# Heartbeat phases (``sdk.phase``, the built-in loop's own) and which limit applies in them.
+STARTUP_PHASES = frozenset({"starting", "startup", "init"})
+SAVE_PHASES = frozenset({"checkpoint", "checkpointing", "save", "eval", "evaluate", "evaluation"})
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,12 @@ def classify(
             # (re)started, or its node's task restarted since (a replacement starting
             # cold): the startup window applies, not the progress timeout.
             since, limit = max(progress, started_at, restarted or 0.0), policy.startup_timeout
+        elif b.get("phase") in STARTUP_PHASES and b.get("phase") != "starting":
+            # A program's own start-up section (sdk.phase("startup")): the startup window.
+            since = max(progress, float(b.get("phase_since") or progress))
+            limit = policy.startup_timeout
+        elif state == RankState.CHECKPOINTING.value or b.get("phase") in SAVE_PHASES:
+            since, limit = progress, max(policy.timeout, policy.checkpoint_timeout or policy.timeout)
         else:
             since, limit = progress, policy.timeout
         if now - since > limit:
@@ -331,7 +348,7 @@ def decide(verdict: Verdict, *, replacements: int, budget: int, aborted: bool = 
     """Pure decision on a classification: time-free, so trivially testable.
 
     The watch's invariant (with ``classify``): a run none of whose ranks made progress for
-    longer than both ``heartbeat_timeout`` and ``startup_timeout`` — counted from the
+    longer than ``heartbeat_timeout``, ``startup_timeout`` and ``checkpoint_timeout`` — counted from the
     watch's start and each node's latest restart, so a restart under way moves the moment,
     never removes it — is never left waiting: its stalled nodes are replaced, or, with the
     replacement budget spent or the run aborted, it fails. A property test holds this over

@@ -57,6 +57,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "heartbeat_interval",
         "heartbeat_timeout",
         "startup_timeout",
+        "checkpoint_timeout",
         "straggler_margin",
         "exclude_stragglers",
         "crash_loop_limit",
@@ -252,6 +253,17 @@ class TrainingSpec:
         default=300.0,
         metadata=_meta(
             "Startup timeout (s)", "Longest wait for the first heartbeat of every rank.", minimum=5, maximum=7200
+        ),
+    )
+    checkpoint_timeout: float = field(
+        default=600.0,
+        metadata=_meta(
+            "Checkpoint timeout (s)",
+            "Longest a rank may go without a step while it saves a checkpoint or evaluates (a "
+            "program's sdk.phase('checkpoint') or ('eval') section); the heartbeat timeout applies "
+            "to steps, the startup timeout to start-up.",
+            minimum=1,
+            maximum=86400,
         ),
     )
     straggler_margin: float = field(

@@ -273,24 +273,30 @@ def _quiet_runs(draw):
                 "progress_time": draw(st.floats(0.0, quiet)),
                 "time": quiet,
                 "node": rank % nodes,
+                "phase": draw(st.sampled_from([None, "starting", "startup", "forward", "checkpoint", "eval"])),
+                "phase_since": draw(st.floats(0.0, quiet)),
                 **({"world": world, "started": draw(st.floats(0.0, quiet))} if draw(st.booleans()) else {}),
             }
     restarts = {n: draw(st.floats(0.0, quiet)) for n in range(nodes) if draw(st.booleans())}
     started_at = draw(st.floats(0.0, quiet))
-    policy = HeartbeatPolicy(timeout=draw(st.floats(1.0, 600.0)), startup_timeout=draw(st.floats(5.0, 7200.0)))
+    policy = HeartbeatPolicy(
+        timeout=draw(st.floats(1.0, 600.0)),
+        startup_timeout=draw(st.floats(5.0, 7200.0)),
+        checkpoint_timeout=draw(st.none() | st.floats(1.0, 86400.0)),
+    )
     return beats, world, restarts, started_at, policy, quiet
 
 
 @settings(max_examples=200, deadline=None)
 @given(_quiet_runs(), st.integers(0, 10), st.integers(0, 10))
 def test_a_run_without_progress_always_restarts_or_fails(run, replacements, budget):
-    """The watch's invariant: once no rank has made progress for longer than both the
-    progress timeout and the startup window (counted from the watch's start and from each
+    """The watch's invariant: once no rank has made progress for longer than the progress
+    timeout, the startup window and the checkpoint timeout (counted from the watch's start and from each
     node's latest restart), the run is never left waiting — it is complete, or its nodes
     are replaced (a restart), or it fails. A restart under way (a node started again, the
     watch started again) only moves that moment, by at most the startup window."""
     beats, world, restarts, started_at, policy, quiet = run
-    now = quiet + max(policy.timeout, policy.startup_timeout) + 0.001
+    now = quiet + max(policy.timeout, policy.startup_timeout, policy.checkpoint_timeout or 0.0) + 0.001
     result = classify(beats, now=now, world_size=world, started_at=started_at, policy=policy, node_started=restarts)
     action = decide(result.verdict, replacements=replacements, budget=budget)
     if result.verdict == Verdict.COMPLETE:
@@ -299,3 +305,29 @@ def test_a_run_without_progress_always_restarts_or_fails(run, replacements, budg
     assert result.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT), result
     assert action in (Action.REPLACE_NODES, Action.FAIL)
     assert (action == Action.FAIL) == (replacements >= budget)
+
+
+def test_a_save_or_evaluation_gets_the_checkpoint_timeout_and_a_step_the_heartbeat_timeout():
+    """Phases (``sdk.phase``) set which limit applies: a rank 100 s into a save is fine
+    under a 600 s checkpoint timeout and stalled past it; 100 s without a step while
+    stepping is a hang under the 60 s heartbeat timeout; a program's start-up section gets
+    the startup window."""
+    policy = HeartbeatPolicy(timeout=60.0, startup_timeout=300.0, checkpoint_timeout=600.0)
+
+    def beat(phase: str, since: float = 0.0) -> dict:
+        return {"step": 10, "state": RankState.TRAINING.value, "progress_time": since, "time": since,
+                "node": 0, "phase": phase, "phase_since": since}  # fmt: skip
+
+    def verdict(phase: str, now: float) -> Verdict:
+        return classify({0: beat(phase)}, now=now, world_size=1, started_at=-1.0, policy=policy).verdict
+
+    assert verdict("checkpoint", 100.0) == Verdict.HEALTHY
+    assert verdict("eval", 599.0) == Verdict.HEALTHY
+    assert verdict("checkpoint", 601.0) == Verdict.STALLED
+    assert verdict("forward", 100.0) == Verdict.STALLED
+    assert verdict("startup", 299.0) == Verdict.HEALTHY
+    assert verdict("startup", 301.0) == Verdict.STALLED
+    without = HeartbeatPolicy(timeout=60.0, startup_timeout=300.0)
+    assert classify({0: beat("checkpoint")}, now=61.0, world_size=1, started_at=-1.0, policy=without).verdict == (
+        Verdict.STALLED
+    )

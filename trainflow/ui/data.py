@@ -205,7 +205,9 @@ def _state(
     if (why := _healing(timeline_read(run_dir), beats, newest[0][0] if newest else None)) is not None:
         return RunState.HEALING, why
     policy = HeartbeatPolicy(
-        timeout=float(spec.get("heartbeat_timeout", 60.0)), startup_timeout=float(spec.get("startup_timeout", 300.0))
+        timeout=float(spec.get("heartbeat_timeout", 60.0)),
+        startup_timeout=float(spec.get("startup_timeout", 300.0)),
+        checkpoint_timeout=spec.get("checkpoint_timeout"),
     )
     restarts = {
         int(n["node"]): float(n["started"]) for n in nodes if n.get("node") is not None and n.get("started") is not None
