@@ -126,6 +126,28 @@ def test_node_try_charges_a_silently_dead_predecessor_to_its_host(tmp_path, regi
     assert registry.cordoned("a") is not None
 
 
+def test_a_try_marker_keeps_its_place_in_the_retry_budget_after_it_ends(tmp_path, registry, monkeypatch):
+    """What `trainflow status` and the training page show per node: Airflow's try 7 of a
+    cleared run is its try 2 within the run's budget (retries + 1 tries), before and after
+    the try ended."""
+    import json
+
+    from trainflow.cluster.nodes import NodeTry
+
+    monkeypatch.setenv("TRAINFLOW_CHIP_CPU_HEALTH_CMD", "true")
+    plan = _node_plan(tmp_path)
+    plan["spec"] = {**plan["spec"], "retries": 2}
+    attempt = NodeTry(plan, 1, 7, host="a", registry=registry, run_try=2)
+    attempt.begin()
+    marker = tmp_path / "run" / "nodes" / "task-0001.json"
+    tries = 3
+    assert {k: json.loads(marker.read_text())[k] for k in ("host", "try", "run_try", "tries")} == {
+        "host": "a", "try": 7, "run_try": 2, "tries": tries}  # fmt: skip
+    attempt.end("succeeded")
+    ended = json.loads(marker.read_text())
+    assert (ended["run_try"], ended["tries"], ended["ended"]) == (2, tries, "succeeded")
+
+
 def test_a_try_killed_by_an_injected_fault_is_not_charged_to_its_host(tmp_path, registry, monkeypatch):
     """A rehearsal's kill_node/lose_node must not cordon a shared host: the next try sees
     the injected mark and charges nothing, while an uninjected silent death still counts."""

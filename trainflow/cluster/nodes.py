@@ -101,11 +101,7 @@ class NodeTry:
                     policy=self.policy,
                 )
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        tries = int((self.plan.get("spec") or {}).get("retries", 0)) + 1
-        write_json_atomic(
-            self.marker,
-            {"host": self.host, "try": self.try_number, "run_try": self.run_try, "tries": tries, "pid": os.getpid()},
-        )
+        write_json_atomic(self.marker, {**self._marker_fields(), "pid": os.getpid()})
         self.started = time.time()
         try:
             return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts, policy=self.policy)
@@ -131,9 +127,15 @@ class NodeTry:
             self.end("preflight_failed", failure=str(exc))
             raise
 
+    def _marker_fields(self) -> dict:
+        """What the try's marker says while it runs and after it ended: its host, Airflow's
+        try number, the try within the run's retry budget and the tries the budget allows."""
+        tries = int((self.plan.get("spec") or {}).get("retries", 0)) + 1
+        return {"host": self.host, "try": self.try_number, "run_try": self.run_try, "tries": tries}
+
     def end(self, outcome: str, *, failure: str | None = None) -> None:
         """Mark the try ended; a ``failure`` is charged to this host (which may cordon it)."""
-        write_json_atomic(self.marker, {"host": self.host, "try": self.try_number, "ended": outcome[:200]})
+        write_json_atomic(self.marker, {**self._marker_fields(), "ended": outcome[:200]})
         if failure is None:
             return
         before = self.hosts.cordoned(self.host)
