@@ -12,6 +12,7 @@ decision), mean / p50 / p95 JCT, mean queueing delay, and the simulation's wall 
 (median of ``--rounds``; the trace is loaded once, outside the timing).
 
     .venv/bin/python bench/scheduler.py [--capacity 64] [--limit 10000] [--rounds 3] [--scan 48,56,64,72,80]
+    .venv/bin/python bench/scheduler.py --smoke    # seconds: what the test suite runs
 
 Writes bench/results/scheduler.json and bench/results/scheduler.png (utilization and queue
 length over time, both policies). Goals: backfill ≥ 95% utilization while saturated;
@@ -53,8 +54,14 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scan", default="", help="comma-separated capacities to report FIFO's saturation at")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scheduler.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/scheduler.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds: the first 300 jobs on 8 nodes, one round (the suite runs it)"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.limit, args.capacity, args.rounds, args.scan = 300, 8, 1, "8"
+    args.out = args.out or REPO / "bench" / "results" / ("scheduler_smoke.json" if args.smoke else "scheduler.json")
     t0 = time.perf_counter()
     jobs = load(args.trace, chips_per_node=args.chips, limit=args.limit)
     load_s = time.perf_counter() - t0

@@ -33,3 +33,13 @@ def test_program_overhead_smoke_measures_both_recoveries_and_the_raw_side(tmp_pa
     result = json.loads(out.read_text())
     assert result["recovery_raw_median_s"] > 0 and result["recovery_trainflow_median_s"] > 0
     assert result["raw"][0]["steps_per_s"] > 0 and result["raw"][0]["wall_s"] > 0
+
+
+def test_scheduler_smoke_runs_both_policies_through_decide(tmp_path):
+    out = tmp_path / "scheduler.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "scheduler.py"), "--smoke", "--out", str(out)], check=True,
+                   timeout=300)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["jobs"] == 300 and result["fifo"]["utilization"] > 0 and result["backfill"]["utilization"] > 0
+    assert set(result["goals"]) >= {"backfill_mean_jct_below_fifo", "simulation_under_10s"}
+    assert out.with_suffix(".png").stat().st_size > 0
