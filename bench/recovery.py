@@ -13,6 +13,7 @@ launcher's share (kill → new workers started) is summed apart from the worker'
 which is the same code on both sides and, on a shared CPU, most of the noise.
 
     .venv/bin/python bench/recovery.py [--rounds 3]
+    .venv/bin/python bench/recovery.py --smoke    # seconds: what the test suite runs
 """
 
 from __future__ import annotations
@@ -173,9 +174,17 @@ def launcher_s(rows: list[dict[str, float]]) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/recovery.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds: one round, 120 steps, the kill at step 60 (the suite runs it)"
+    )
     args = parser.parse_args()
-    spec = TrainingSpec.from_mapping(SPEC)
+    conf = dict(SPEC)
+    if args.smoke:
+        args.rounds = 1
+        conf.update(steps=120, faults=[{"kind": "kill_rank", "rank": 1, "step": 60}])
+    args.out = args.out or REPO / "bench" / "results" / ("recovery_smoke.json" if args.smoke else "recovery.json")
+    spec = TrainingSpec.from_mapping(conf)
     work = Path(tempfile.mkdtemp(prefix="tf-recovery-"))
     raw, ours, raw_stages, our_stages = [], [], [], []
     for i in range(args.rounds):
@@ -195,7 +204,7 @@ def main() -> int:
         args.out,
         ("torchrun", raw),
         ("trainflow", ours),
-        spec=SPEC,
+        spec=conf,
         monitor_interval_s=MONITOR_INTERVAL_S,
         stages={name: what for name, what in STAGES},
         torchrun_stages=raw_stages,

@@ -43,3 +43,12 @@ def test_scheduler_smoke_runs_both_policies_through_decide(tmp_path):
     assert result["jobs"] == 300 and result["fifo"]["utilization"] > 0 and result["backfill"]["utilization"] > 0
     assert set(result["goals"]) >= {"backfill_mean_jct_below_fifo", "simulation_under_10s"}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_recovery_smoke_times_both_launchers(tmp_path):
+    out = tmp_path / "recovery.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "recovery.py"), "--smoke", "--out", str(out)], check=True,
+                   timeout=600)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["torchrun_median_s"] > 0 and result["trainflow_median_s"] > 0
+    assert result["trainflow_stages"][0] and result["torchrun_stages"][0]
