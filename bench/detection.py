@@ -14,6 +14,7 @@ The same gang (digits, 2 ranks, gloo) and the same fault, alternating, in one ru
   detected if nothing happens in it.
 
     .venv/bin/python bench/detection.py [--rounds 3] [--window 90]
+    .venv/bin/python bench/detection.py --smoke    # what the test suite runs
 
 Writes bench/results/detection.json.
 """
@@ -144,8 +145,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=90.0)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "detection.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/detection.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round, the baseline's hang watched 10 s (the suite runs it)"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.window = 1, 10.0
+    args.out = args.out or REPO / "bench" / "results" / ("detection_smoke.json" if args.smoke else "detection.json")
     spec = TrainingSpec.from_mapping(SPEC)
     work = Path(tempfile.mkdtemp(prefix="tf-detection-"))
     out: dict = {"bench": "detection", "spec": SPEC, "window_s": args.window, "machine": {"cpus": os.cpu_count()}}

@@ -52,3 +52,12 @@ def test_recovery_smoke_times_both_launchers(tmp_path):
     result = json.loads(out.read_text())
     assert result["torchrun_median_s"] > 0 and result["trainflow_median_s"] > 0
     assert result["trainflow_stages"][0] and result["torchrun_stages"][0]
+
+
+def test_detection_smoke_detects_a_crash_on_both_sides_and_a_hang_with_the_watch(tmp_path):
+    out = tmp_path / "detection.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "detection.py"), "--smoke", "--out", str(out)], check=True,
+                   timeout=600)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["crash"]["torchrun_median_s"] > 0 and result["crash"]["trainflow_median_s"] > 0
+    assert 0 < result["hang"]["trainflow_median_s"] < 10
