@@ -57,6 +57,7 @@ LONGEST_FIRST = (
     "e2e/test_embedded_stack.py",
     "integration/test_faults.py",
     "integration/test_program.py",
+    "integration/test_bench_smoke.py",
     "integration/test_elastic.py",
 )
 
