@@ -102,13 +102,14 @@ def fault_records(events: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(run_dir: Path, *, started: float, ended: float, steps: int) -> dict:
+def summarize(run_dir: Path, *, started: float, ended: float, steps: int, events: list[dict] | None = None) -> dict:
     """Fault timeline and goodput of a finished run.
 
     goodput = 1 − (time spent recovering + time spent redoing lost steps) / wall time,
-    with the step time taken from the run itself.
+    with the step time taken from the run itself. ``events``: the run's timeline, where the
+    caller has read it already.
     """
-    events = [e for e in timeline.read(run_dir) if "event" in e and "time" in e]
+    events = [e for e in (timeline.read(run_dir) if events is None else events) if "event" in e and "time" in e]
     faults = fault_records(events)
     wall = max(ended - started, 1e-9)
     for f in faults:

@@ -31,7 +31,7 @@ def build_report(run_dir: Path, *, metrics: dict[str, Any], checkpoint: dict[str
     starts = [float(n["started"]) for n in nodes.values() if "started" in n]
     ends = [float(n["ended"]) for n in nodes.values() if "ended" in n]
     goodput = (
-        summarize(run_dir, started=min(starts), ended=max(ends), steps=int(plan["spec"]["steps"]))
+        summarize(run_dir, started=min(starts), ended=max(ends), steps=int(plan["spec"]["steps"]), events=events)
         if starts and ends
         else None
     )

@@ -52,8 +52,7 @@ def layout_of(path: Path, *, world: int, now: float) -> tuple[int, str] | None:
     name = path.name
     if path.is_dir():
         if (m := _HF_DIR.match(name)) and (path / "trainer_state.json").is_file():
-            rng = [p for p in path.glob("rng_state*.pth")]
-            if len(rng) >= (world if world > 1 else 1):
+            if len(list(path.glob("rng_state*.pth"))) >= max(world, 1):
                 return int(m.group(1)), "huggingface"
             return None
         if (path / ".metadata").is_file() and (m := _STEP_SUFFIX.search(name)):

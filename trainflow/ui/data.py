@@ -85,7 +85,7 @@ def _clock(t: Any) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(float(t))) if isinstance(t, (int, float)) else "?"
 
 
-def _healing(events: list[dict], beats: dict[int, dict], newest_checkpoint: int | None) -> str | None:
+def _healing(events: list[dict], beats: dict[int, dict], checkpoints: Path) -> str | None:
     """Why the gang is not training, if its newest stopping observation came after its
     newest first step and after every rank's last progress; None when it trains."""
     last_fault = next((e for e in reversed(events) if e.get("event") in _STOPPING_EVENTS), None)
@@ -105,7 +105,8 @@ def _healing(events: list[dict], beats: dict[int, dict], newest_checkpoint: int 
         what = f"rank {last_fault.get('rank')} exited ({how}) at {at}"
     else:
         what = f"{clip(str(last_fault.get('message') or last_fault['event']), 200)} at {at}"
-    start = "the newest verified checkpoint" if newest_checkpoint is None else f"checkpoint step {newest_checkpoint}"
+    newest = list_checkpoints(checkpoints)
+    start = f"checkpoint step {newest[0][0]}" if newest else "the newest verified checkpoint"
     return f"healing: {what}; the gang restarts together from {start}"
 
 
@@ -167,7 +168,7 @@ def _allocation(run_dir: Path, spec: dict) -> dict | None:
     }
 
 
-def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float) -> dict | None:
+def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float, events: list[dict]) -> dict | None:
     """The run's goodput so far (``goodput.summarize`` over the node agents' lifetime, up to
     now while one still runs); None before any node agent started."""
     starts = [float(n["started"]) for n in nodes if n.get("started")]
@@ -175,11 +176,19 @@ def _goodput(run_dir: Path, nodes: list[dict], step: int | None, now: float) -> 
         return None
     ends = [float(n["ended"]) for n in nodes if n.get("ended")]
     live = len(ends) < len(nodes)
-    return summarize(run_dir, started=min(starts), ended=now if live or not ends else max(ends), steps=int(step or 0))
+    ended = now if live or not ends else max(ends)
+    return summarize(run_dir, started=min(starts), ended=ended, steps=int(step or 0), events=events)
 
 
 def _state(
-    run_dir: Path, spec: dict, world_size: int, beats: dict[int, dict], nodes: list[dict], started_at: float, now: float
+    run_dir: Path,
+    spec: dict,
+    world_size: int,
+    beats: dict[int, dict],
+    nodes: list[dict],
+    events: list[dict],
+    started_at: float,
+    now: float,
 ) -> tuple[RunState, str]:
     """Decide the run's state and say why. Pure apart from reading the control files."""
     if completed(run_dir):
@@ -201,8 +210,7 @@ def _state(
         return RunState.FAILED, f"node {bad['node']} {bad['state']}: {bad.get('error') or 'no error recorded'}"
     if not beats:
         return RunState.PENDING, "no rank has reported yet"
-    newest = list_checkpoints(run_dir / "checkpoints")
-    if (why := _healing(timeline_read(run_dir), beats, newest[0][0] if newest else None)) is not None:
+    if (why := _healing(events, beats, run_dir / "checkpoints")) is not None:
         return RunState.HEALING, why
     policy = HeartbeatPolicy(
         timeout=float(spec.get("heartbeat_timeout", 60.0)),
@@ -220,9 +228,9 @@ def _state(
     return RunState.RUNNING, verdict.message
 
 
-def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
-    """The run's row of the list, and its goodput summary (``goodput.summarize``) for the
-    detail view, computed once."""
+def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None, list[dict]]:
+    """The run's row of the list, and for the detail view its goodput summary
+    (``goodput.summarize``) and its timeline, each computed or read once."""
     run_dir = ws.dir
     plan = _json_dict(ws.plan_file)
     spec = plan.get("spec") or _json_dict(ws.spec_file)
@@ -232,42 +240,47 @@ def _summary(ws: Workspace, now: float) -> tuple[dict, dict | None]:
     nodes = _nodes(run_dir)
     starts = [float(n["started"]) for n in nodes if n.get("started")]
     planned = ws.plan_file.stat().st_mtime if ws.plan_file.exists() else now
-    state, reason = _state(run_dir, spec, world_size, beats, nodes, min(starts, default=planned), now)
+    events = timeline_read(run_dir)
+    state, reason = _state(run_dir, spec, world_size, beats, nodes, events, min(starts, default=planned), now)
     steps = [int(b.get("step", 0)) for b in gang.values()]
     last_beat = max((float(b.get("alive", b.get("time", 0))) for b in beats.values()), default=None)
     rank0 = gang.get(0) or {}
-    good = _goodput(run_dir, nodes, min(steps) if steps else None, now)
-    return {
-        "tenant": ws.tenant,
-        "dag_id": ws.dag_id,
-        "run_id": ws.run_id,
-        "workload": spec.get("workload"),
-        "chip": spec.get("chip"),
-        "strategy": spec.get("strategy"),
-        "nodes": spec.get("nodes"),
-        "world_size": world_size,
-        "current_world_size": world if beats else None,
-        "ranks_reporting": len(gang),
-        "step": min(steps) if steps else None,
-        "total_steps": spec.get("steps"),
-        "loss": rank0.get("loss"),
-        # Each rank reports its own samples/s; the gang's throughput is their sum — and 0 while
-        # it does not train (its ranks' last rates are history, not throughput).
-        "samples_per_s": (
-            0.0
-            if state in _NOT_TRAINING
-            else round(sum(float(b.get("samples_per_s") or 0.0) for b in gang.values()), 1)
-        )
-        if gang
-        else None,
-        "last_heartbeat_age_s": None if last_beat is None else round(max(0.0, now - last_beat), 3),
-        "state": state.value,
-        "state_reason": reason,
-        "evaluated": ws.metrics_file.exists(),
-        "goodput": None if good is None else good["goodput"],
-        "allocation": _allocation(run_dir, spec),
-        "updated": max(last_beat or 0.0, planned),
-    }, good
+    good = _goodput(run_dir, nodes, min(steps) if steps else None, now, events)
+    return (
+        {
+            "tenant": ws.tenant,
+            "dag_id": ws.dag_id,
+            "run_id": ws.run_id,
+            "workload": spec.get("workload"),
+            "chip": spec.get("chip"),
+            "strategy": spec.get("strategy"),
+            "nodes": spec.get("nodes"),
+            "world_size": world_size,
+            "current_world_size": world if beats else None,
+            "ranks_reporting": len(gang),
+            "step": min(steps) if steps else None,
+            "total_steps": spec.get("steps"),
+            "loss": rank0.get("loss"),
+            # Each rank reports its own samples/s; the gang's throughput is their sum — and 0 while
+            # it does not train (its ranks' last rates are history, not throughput).
+            "samples_per_s": (
+                0.0
+                if state in _NOT_TRAINING
+                else round(sum(float(b.get("samples_per_s") or 0.0) for b in gang.values()), 1)
+            )
+            if gang
+            else None,
+            "last_heartbeat_age_s": None if last_beat is None else round(max(0.0, now - last_beat), 3),
+            "state": state.value,
+            "state_reason": reason,
+            "evaluated": ws.metrics_file.exists(),
+            "goodput": None if good is None else good["goodput"],
+            "allocation": _allocation(run_dir, spec),
+            "updated": max(last_beat or 0.0, planned),
+        },
+        good,
+        events,
+    )
 
 
 def list_runs(
@@ -403,7 +416,7 @@ def run_detail(
     ws = _workspace(root, tenant, dag_id, run_id)
     if not ws.dir.is_dir() or not (ws.plan_file.exists() or ws.spec_file.exists()):
         raise RunNotFoundError(f"no run {tenant}/{dag_id}/{run_id}: no workspace with a plan or spec")
-    summary, good = _summary(ws, now)
+    summary, good, timeline = _summary(ws, now)
     plan = _json_dict(ws.plan_file)
     spec = plan.get("spec") or _json_dict(ws.spec_file)
     beats = read_all(ws.heartbeats)
@@ -416,7 +429,7 @@ def run_detail(
             errors.append(
                 {**{k: e.get(k) for k in ("rank", "kind", "type", "time")}, "message": clip(e.get("message"))}
             )
-    events = [{**e, "kind": _kind(str(e.get("event")))} for e in timeline_read(ws.dir) if "event" in e]
+    events = [{**e, "kind": _kind(str(e.get("event")))} for e in timeline if "event" in e]
     good = good or {}
     return {
         **summary,
