@@ -32,6 +32,23 @@ def side_by_side(
     return result
 
 
+def gang_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark's 2-rank gang: gloo on loopback, one thread per rank."""
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def torchrun(*options: str, nproc: int = 2) -> list[str]:
+    """Raw ``torchrun`` on this machine, as a user would start the baseline."""
+    import sys
+
+    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *options]
+
+
 def drop_from_page_cache(files) -> None:
     """Write ``files`` back and drop them from the page cache, so the next read of each
     comes from the disk (fair cold reads on both sides of a comparison)."""

@@ -39,16 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _results import embedded_stack  # noqa: E402
+from _results import embedded_stack, gang_env, torchrun  # noqa: E402
 
 from trainflow.spec import TrainingSpec  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "hf_program.py"
 DAG = "train_digits"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
 
 
 def program(steps: int, save_steps: int, times: Path, out: Path) -> list[str]:
@@ -76,16 +72,12 @@ def steady_rate(rows: list[tuple[float, int]], warmup: int) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
-def _torchrun(*extra: str) -> list[str]:
-    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", *extra]
-
-
 def run_raw(steps: int, save_steps: int, warmup: int, work: Path) -> dict:
     work.mkdir(parents=True)
     times = work / "steps.txt"
     argv = program(steps, save_steps, times, work / "out")
     t0 = time.perf_counter()
-    subprocess.run([*_torchrun(), *argv[1:]], env=_env(), check=True, capture_output=True, cwd=work)
+    subprocess.run([*torchrun(), *argv[1:]], env=gang_env(), check=True, capture_output=True, cwd=work)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "steps_per_s": steady_rate(step_times(times), warmup)}
 
@@ -145,8 +137,8 @@ def recovery_raw(steps: int, save_steps: int, work: Path) -> float:
     # init_process_group hangs on this torch: the store keeps the dead gang's addresses.
     # trainflow's agents set the same switch.
     proc = subprocess.Popen(
-        [*_torchrun("--max-restarts=3"), *argv[1:]],
-        env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        [*torchrun("--max-restarts=3"), *argv[1:]],
+        env=gang_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
         cwd=work,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

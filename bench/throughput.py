@@ -36,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _results import gang_env, torchrun  # noqa: E402
+
 from trainflow.spec import TrainingSpec  # noqa: E402
 from trainflow.workspace import write_json_atomic  # noqa: E402
 
@@ -44,22 +46,13 @@ BATCH = 16
 
 
 def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-    }
-
-
-def _torchrun() -> list[str]:
-    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
+    return gang_env(PYTHONPATH=str(REPO))
 
 
 def run_plain(workload: str, strategy: str, steps: int, warmup: int) -> float:
     out = subprocess.run(
         [
-            *_torchrun(),
+            *torchrun(),
             str(REPO / "bench" / "plain_ddp.py"),
             "--workload",
             workload,
@@ -116,7 +109,7 @@ def run_worker(workload: str, strategy: str, steps: int, warmup: int, work: Path
     if profile is not None:
         env["TRAINFLOW_STEP_PROFILE"] = str(profile)
     subprocess.run(
-        [*_torchrun(), "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
+        [*torchrun(), "-m", "trainflow.worker.train", "--run-dir", str(run_dir)],
         env=env,
         check=True,
         stdout=subprocess.DEVNULL,

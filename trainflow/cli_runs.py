@@ -177,27 +177,31 @@ def status(client, dag: str, run_id: str) -> dict[str, Any]:
         if exc.status != 404:  # no workspace yet (provision has not run): no progress
             raise
         detail = None
-    st = {"dag_id": dag, "run_id": run_id, "state": run["state"], "tasks": tasks, "progress": detail}
-    st["nodes"], st["reason"] = node_rows(st), (detail or {}).get("state_reason")
-    return st
+    shards = {t["map_index"]: t for t in tis if t["task_id"] == "shard_train" and t["map_index"] >= 0}
+    return {
+        "dag_id": dag,
+        "run_id": run_id,
+        "state": run["state"],
+        "tasks": tasks,
+        "progress": detail,
+        "nodes": node_rows(shards, detail),
+        "reason": (detail or {}).get("state_reason"),
+    }
 
 
-def node_rows(st: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per node: its ``shard_train`` task's Airflow state and try, and from the run's
-    workspace its agent's state, host, try within the run's retry budget, tries left and
-    the host's cordon."""
-    agents = {a.get("node"): a for a in ((st.get("progress") or {}).get("node_agents") or [])}
-    indices = sorted(
-        {int(name[len("shard_train[") : -1]) for name in st["tasks"] if name.startswith("shard_train[")} | set(agents)
-    )
+def node_rows(shards: dict[int, dict], detail: dict | None) -> list[dict[str, Any]]:
+    """Per node: its ``shard_train`` task instance's Airflow state and try (``shards``, by map
+    index), and from the run's workspace (``detail``, the training API's run) its agent's
+    state, host, try within the run's retry budget, tries left and the host's cordon."""
+    agents = {a.get("node"): a for a in ((detail or {}).get("node_agents") or [])}
     rows = []
-    for i in indices:
-        task, agent = st["tasks"].get(f"shard_train[{i}]") or {}, agents.get(i) or {}
+    for i in sorted(set(shards) | set(agents)):
+        task, agent = shards.get(i) or {}, agents.get(i) or {}
         rows.append(
             {
                 "node": i,
                 "task_state": task.get("state"),
-                "airflow_try": task.get("try"),
+                "airflow_try": task.get("try_number"),
                 "agent_state": agent.get("state"),
                 "host": agent.get("host"),
                 "try": agent.get("try"),
