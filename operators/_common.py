@@ -66,6 +66,16 @@ def durable_store(plan: dict[str, Any]):
     )
 
 
+def airflow_run_state(dag_id: str, run_id: str) -> str | None:
+    """A DAG run's state as Airflow has it now (asked from a running task), None when the
+    run does not exist (deleted)."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    if RuntimeTaskInstance.get_dr_count(dag_id=dag_id, run_ids=[run_id]) == 0:
+        return None
+    return str(RuntimeTaskInstance.get_dagrun_state(dag_id=dag_id, run_id=run_id))
+
+
 def translate(exc: BaseException) -> BaseException:
     """Core error → Airflow error: user/config errors are never retried."""
     from airflow.sdk.exceptions import AirflowException, AirflowFailException

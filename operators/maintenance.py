@@ -29,7 +29,9 @@ class RetentionOperator(BaseOperator):
         from airflow.sdk import Connection
         from airflow.sdk.exceptions import AirflowNotFoundException
 
+        from operators._common import airflow_run_state
         from trainflow import retention
+        from trainflow.cluster.allocator import Allocator
         from trainflow.workspace import default_root
 
         params = context.get("params") or {}
@@ -38,6 +40,8 @@ class RetentionOperator(BaseOperator):
         dry_run = self.dry_run or bool(params.get("dry_run"))
         logs = Path(os.environ["AIRFLOW_HOME"]) / "logs" if os.environ.get("AIRFLOW_HOME") else None
         out = retention.sweep(workspaces=default_root(), logs=logs, policy=policy, dry_run=dry_run)
+        if not dry_run:  # leases of runs deleted (or ended without release) free their nodes
+            out["freed"] = Allocator().release_gone(airflow_run_state)
         self.log.info(
             "workspaces %s, logs %s, rotated %s, rows %s",
             out.get("workspaces"),

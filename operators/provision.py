@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Sequence
 from airflow.sdk import BaseOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from operators._common import load_plan, translate
+from operators._common import airflow_run_state, load_plan, translate
 
 
 def history_scope(dag_id: str, spec) -> str:
@@ -136,6 +136,7 @@ class ProvisionOperator(BaseOperator):
         allocator = Allocator()
         if self.node_pool == "embedded":
             allocator.set_pool("embedded", embedded_capacity())
+        allocator.release_gone(airflow_run_state)  # nodes of deleted runs come back first
         try:
             return allocator.request(**self._request_kwargs(spec, run_key))
         except (SpecError, TrainingError) as exc:

@@ -180,7 +180,7 @@ class ShardTrainOperator(BaseOperator):
         Asks Airflow for the gang's task states every ``every`` seconds."""
         import time
 
-        from trainflow.remediation import end_for_member, ended_member
+        from trainflow.remediation import end_for_member, ended_member, node_finished
 
         spec = plan["spec"]
         if isinstance(spec.get("nodes"), str) or spec.get("spares"):
@@ -202,7 +202,7 @@ class ShardTrainOperator(BaseOperator):
                 for k, v in (found.get(context["run_id"]) or {}).items()
                 if k.startswith(prefix) and k[len(prefix) :].isdigit()
             }
-            ended = ended_member(states, me=node)
+            ended = ended_member(states, me=node, finished=lambda n: node_finished(run_dir, n))
             if ended is None:
                 return False
             self.log.error("%s", end_for_member(run_dir, *ended, now=time.time()))

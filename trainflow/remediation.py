@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from trainflow.heartbeat import Classification, read_all
 from trainflow.timeline import record
@@ -42,31 +43,56 @@ def abort_source(error: dict) -> str:
     return f"rank {error['rank']}" if error.get("rank") is not None else f"node {error.get('node')}"
 
 
-def ended_member(states: dict[int, str], *, me: int) -> tuple[int, str] | None:
+def ended_member(
+    states: dict[int, str], *, me: int, finished: Callable[[int], bool] = lambda node: True
+) -> tuple[int, str] | None:
     """A node of a fixed gang whose task ended for good while this node still runs.
 
     ``states`` maps node index to its Airflow task state. ``failed`` is final (a retry
     would be ``up_for_retry``): the node was marked failed (the UI's "Mark failed", a
     ``trainflow cancel``) or spent its tries, and ``upstream_failed``/``removed`` never run
-    again. Such a gang can never be whole again; the caller ends the run instead of
-    leaving its other nodes to wait for that member until their rendezvous times out.
+    again. ``success`` counts when ``finished(node)`` says that node's try did not end by
+    training to the end: a user marked it success while the gang trained (Airflow stopped
+    it, and never runs it again). Such a gang can never be whole again; the caller ends the
+    run instead of leaving its other nodes to wait for that member until their rendezvous
+    times out.
 
     Returns:
         ``(node, state)`` of the first such node, or None.
     """
     for node, state in sorted(states.items()):
-        if node != me and state in ("failed", "upstream_failed", "removed"):
+        if node == me:
+            continue
+        if state in ("failed", "upstream_failed", "removed") or (state == "success" and not finished(node)):
             return node, state
     return None
+
+
+def node_finished(run_dir: Path, node: int) -> bool:
+    """Whether node ``node``'s last try ended by training to the end (its task's marker,
+    written before the task returns), or the run's training is complete."""
+    from trainflow.workspace import completed
+
+    try:
+        last = json.loads((Path(run_dir) / "nodes" / f"task-{node:04d}.json").read_text())
+    except (OSError, ValueError):
+        last = {}
+    return last.get("ended") == "succeeded" or completed(run_dir)
 
 
 def end_for_member(run_dir: Path, node: int, state: str, *, now: float) -> str:
     """Write the abort record for a gang member that ended for good (see ``ended_member``)
     and return its message."""
-    message = (
-        f"node {node}'s task is {state} with no retry to come (marked {state} by a user, "
-        f"or its tries spent): the gang cannot become whole, so the run ended"
-    )
+    if state == "success":
+        message = (
+            f"node {node}'s task was marked success by a user while the gang trained (Airflow "
+            f"stopped it and never runs it again): the gang cannot become whole, so the run ended"
+        )
+    else:
+        message = (
+            f"node {node}'s task is {state} with no retry to come (marked {state} by a user, "
+            f"or its tries spent): the gang cannot become whole, so the run ended"
+        )
     if abort(
         run_dir,
         {

@@ -33,6 +33,28 @@ def test_leases_expire_as_a_backstop(alloc):
     alloc.admit("next", tenant="t", pool="cpu", nodes=4, ttl=10, now=11)
 
 
+def test_runs_deleted_or_ended_without_release_give_their_nodes_back(alloc):
+    alloc.admit("t/d/deleted", tenant="t", pool="cpu", nodes=2, ttl=3600, now=0)
+    alloc.admit("t/d/ended", tenant="t", pool="cpu", nodes=1, ttl=3600, now=0)
+    alloc.admit("t/d/running", tenant="t", pool="cpu", nodes=1, ttl=3600, now=0)
+    alloc.admit("t/other/unknown", tenant="t", pool="cpu", nodes=0, ttl=3600, now=0)
+    alloc.admit("no-key-shape", tenant="t", pool="cpu", nodes=0, ttl=3600, now=0)
+    states = {("d", "ended"): "failed", ("d", "running"): "running"}
+
+    def state(dag_id, run_id):
+        if dag_id == "other":
+            raise ConnectionError("the API server is restarting")  # unknown is not gone
+        return states.get((dag_id, run_id))
+
+    freed = alloc.release_gone(state, now=1)
+    assert freed == [
+        {"run_key": "t/d/deleted", "why": "the run was deleted"},
+        {"run_key": "t/d/ended", "why": "the run is failed and its release task did not run"},
+    ]
+    assert sorted(lease.run_key for lease in alloc.leases(now=1)) == ["no-key-shape", "t/d/running", "t/other/unknown"]
+    assert alloc.release_gone(state, now=2) == []
+
+
 def test_requests_that_never_fit_are_refused_with_numbers(alloc):
     with pytest.raises(SpecError, match="only 4 nodes in total"):
         alloc.admit("big", tenant="t", pool="cpu", nodes=5, ttl=10)

@@ -26,6 +26,20 @@ def test_a_member_that_ended_for_good_is_found(states, me, ended):
     assert remediation.ended_member(states, me=me) == ended
 
 
+def test_a_member_marked_success_while_the_gang_trains_has_ended(tmp_path):
+    states = {0: "success", 1: "running"}
+    assert remediation.ended_member(states, me=1, finished=lambda n: remediation.node_finished(tmp_path, n)) == (
+        0,
+        "success",
+    )
+    marker = tmp_path / "nodes" / "task-0000.json"
+    marker.parent.mkdir()
+    marker.write_text(json.dumps({"host": "h", "try": 1, "ended": "succeeded"}))  # trained to the end
+    assert remediation.ended_member(states, me=1, finished=lambda n: remediation.node_finished(tmp_path, n)) is None
+    message = remediation.end_for_member(tmp_path, 0, "success", now=1.0)
+    assert "marked success by a user while the gang trained" in message
+
+
 def test_ending_for_a_member_writes_one_abort_that_names_it(tmp_path):
     message = remediation.end_for_member(tmp_path, 0, "failed", now=5.0)
     assert "node 0's task is failed" in message and "marked failed by a user" in message

@@ -13,10 +13,13 @@ import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from trainflow.errors import AdmissionError, SpecError
 
 log = logging.getLogger(__name__)
+# Airflow run states after which a run holds nothing (``release_gone``).
+ENDED_RUN_STATES = frozenset({"success", "failed"})
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, nodes INTEGER NOT NULL);
@@ -946,6 +949,39 @@ class Allocator(StateDB):
             con.execute("DELETE FROM preemptions WHERE run_key=?", (run_key,))
             con.execute("DELETE FROM host_leases WHERE run_key=?", (run_key,))
             return con.execute("DELETE FROM leases WHERE run_key=?", (run_key,)).rowcount > 0
+
+    def release_gone(self, run_state: Callable[[str, str], str | None], *, now: float | None = None) -> list[dict]:
+        """Free the nodes of runs Airflow no longer runs: a run deleted while it held a lease
+        or waited (its release task never comes), or one that ended without that task.
+
+        ``run_state(dag_id, run_id)`` is the run's Airflow state, None for a run that does
+        not exist. A run that still runs, a key that is not ``tenant/dag/run``, or a state
+        that cannot be read keeps its lease (the lease's expiry stays the backstop).
+
+        Returns:
+            One ``{"run_key", "why"}`` per run freed.
+        """
+        now = time.time() if now is None else now
+        with closing(self._connect()) as con:
+            keys = [r[0] for r in con.execute("SELECT run_key FROM leases WHERE expires >= ?", (now,))]
+            keys += [r[0] for r in con.execute("SELECT run_key FROM waiting") if r[0] not in keys]
+        freed = []
+        for key in keys:
+            parts = key.split("/", 2)
+            if len(parts) != 3:
+                continue
+            try:
+                state = run_state(parts[1], parts[2])
+            except Exception as exc:  # noqa: BLE001 - unknown is not gone: keep the lease
+                log.debug("state of %s unavailable: %s", key, exc)
+                continue
+            if state is not None and state not in ENDED_RUN_STATES:
+                continue
+            self.release(key, now=now)
+            why = "the run was deleted" if state is None else f"the run is {state} and its release task did not run"
+            log.warning("freed the nodes of %s: %s", key, why)
+            freed.append({"run_key": key, "why": why})
+        return freed
 
     def prune(self, now: float | None = None) -> dict[str, int]:
         """Delete rows that only accumulate (retention): expired leases, offline marks whose
