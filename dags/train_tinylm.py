@@ -5,9 +5,9 @@ from operators.dag_factory import training_dag
 DEFAULTS = {
     "workload": "tinylm",
     "nodes": 2,
-    "steps": 3000,
+    "steps": 1500,
     "batch_size": 16,
-    "lr": 0.004,
+    "lr": 0.006,
     "checkpoint_interval": 500,
     "heartbeat_timeout": 120.0,
 }
