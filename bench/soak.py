@@ -29,7 +29,7 @@ promises (no task log older than the last sweep's cutoff, no more rotated parts 
 
 Writes bench/results/soak.json and soak.png. ``--smoke`` is a short soak (200-step runs,
 every fault kind of the rotation once, one whole-stack restart, the triggerer killed once,
-retention every 20 s; samples every 5 s) whose result ``tests/e2e/test_soak.py`` checks
+retention every 40 s; samples every 5 s) whose result ``tests/e2e/test_soak.py`` checks
 with what a short run can show: every run healed to the clean weights, every fault kind
 ran, every event happened, retention's invariants held. The growth bounds (quarter
 means) need the long run: the smoke reports them and ``healthy`` ignores them.
@@ -540,11 +540,11 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="a short soak (2 minutes of submissions, 200-step runs, retention every 20 s)",
+        help="a short soak (2 minutes of submissions, 200-step runs, retention every 40 s)",
     )
     args = parser.parse_args()
     if args.smoke:
-        args.minutes, args.retention_every = min(args.minutes, 2.0), min(args.retention_every, 20.0)
+        args.minutes, args.retention_every = min(args.minutes, 2.0), min(args.retention_every, 40.0)
     out = args.out or REPO / "bench" / "results" / ("soak_smoke.json" if args.smoke else "soak.json")
     result = soak(
         args.minutes,

@@ -80,7 +80,7 @@ def test_killed_node_task_is_replaced_by_airflow_retry(client, clean, node):
     assert client.xcom(DAG, run_id, "evaluate", "metrics")["weights_sha256"] == clean
 
 
-LONG = {**CONF, "steps": 3000, "checkpoint_interval": 250}
+LONG = {**CONF, "steps": 1500, "checkpoint_interval": 250}
 
 
 @pytest.fixture(scope="module")

@@ -373,7 +373,7 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
     least as new as the newest before the stop, and completes with the weights of a clean
     run of the same spec (nothing lost, nothing trained twice); every lease is released.
 
-    The runs train 3000 steps, not the module's 600: each stop must find both runs under way,
+    The runs train 1500 steps, not the module's 600: each stop must find both runs under way,
     and a 600-step run ends ~15 s after its first checkpoint — less than the gap between the
     two runs' starts can be on a loaded machine (CI saw one run finish before the other had
     its first checkpoint). Their clean reference is the same spec trained by a local gang
@@ -393,7 +393,7 @@ def test_the_whole_stack_stops_twice_mid_run_and_every_run_resumes(dist_stack, s
     # stack comes back can be lost too (CI: node 0's first try after the restart stopped
     # logging at once and the scheduler retried it, the 20-s task heartbeat timeout of this
     # stack), so the runs get a retry budget of five instead of the default two.
-    steps, retries = 3000, 5
+    steps, retries = 1500, 5
     runs = {
         "dist-stop-a": {**_s3_conf(s3_server, "stop-a"), "steps": steps, "retries": retries},
         "dist-stop-b": {**CONF, "tenant": "stop-b", "steps": steps, "retries": retries},

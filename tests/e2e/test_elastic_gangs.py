@@ -102,7 +102,7 @@ def test_a_hot_spare_recovers_faster_than_an_airflow_retry(client):
     # replacement took over 20 s to join, the survivors waited at step 196, and the watch
     # (20 s) replaced the starting try as stalled — a third try where this test counts two.
     # (The watch should give a re-forming gang its startup_timeout: noted on issue 3.)
-    patient = {"heartbeat_timeout": 60.0}
+    patient = {"heartbeat_timeout": 60.0, "steps": 400}  # the kill at 200, then 200 steps to recover
     tis = _run(client, "spare-none", {"nodes": 2, "faults": kill, **patient})
     assert max(tis[("shard_train", n)]["try_number"] for n in (0, 1)) == 2  # the retry path
     tis = _run(client, "spare-one", {"nodes": 2, "spares": 1, "faults": kill, **patient})
