@@ -19,14 +19,20 @@ def exit_cause(e: dict) -> str:
     return f"rank {e.get('rank')} {how}"
 
 
+def _opened(e: dict, kind: str, source: str) -> dict:
+    """A fault record opened by event ``e`` that stops training until a gang resumes."""
+    return {"kind": kind, "source": source, "time": e["time"], "step": e.get("step"), "restarts": True}
+
+
 def fault_records(events: list[dict]) -> list[dict]:
     """Pair each fault and each grow window with the next resume after it; a membership
     change at that resume (shrink, grow, spare used) is attached.
 
     A fault is what happened, whoever caused it: an injected fault, a stall the watch
-    detected, a user error, a straggler excluded, or a worker that exited while the gang
+    detected, a user error, a straggler excluded, a worker that exited while the gang
     trained (``worker_exited``, observed by its node agent: a signal from outside, a crash,
-    an OOM kill). Exits seen while a fault is open belong to it (the first is its cause:
+    an OOM kill), a node task lost without a word (``node_task_lost``, found by its next
+    try), a user's control that ended the run (``member_ended``) or a preemption. Exits seen while a fault is open belong to it (the first is its cause:
     the other ranks' exits follow from it); an exit with no open fault opens one
     (``kind: worker_exit``, ``source: outside``)."""
     out: list[dict] = []
@@ -51,6 +57,31 @@ def fault_records(events: list[dict]) -> list[dict]:
                     "exits": 1,
                 }
             )
+            continue
+        if e["event"] == "node_task_lost":
+            # A node task's try died without a word (SIGKILL from outside, an OOM kill, its
+            # host gone), found by the next try: the cause of the restart it set off.
+            cause = f"node {e.get('node')}'s task (try {e.get('try')} on {e.get('host')}) was lost"
+            open_ = [rec for rec in out if rec["restarts"] and "resumed_time" not in rec]
+            if open_:
+                rec = open_[-1]
+                if rec["kind"] == "worker_exit":  # the survivors' exits followed from it
+                    rec["kind"] = "node_lost"
+                    rec["cause"] = cause
+                else:
+                    rec.setdefault("cause", cause)
+                continue
+            out.append({**_opened(e, "node_lost", "outside"), "cause": cause, "node": e.get("node")})
+            continue
+        if e["event"] in ("member_ended", "preempted"):
+            # A user's control (a node task marked failed or success: the run ends) or the
+            # pool's (a preemption: the gang stops at a checkpoint and waits to be admitted
+            # again); open until a gang trains again.
+            if e["event"] == "member_ended":
+                rec = {**_opened(e, "user_action", "user"), "cause": e.get("message"), "node": e.get("node")}
+            else:
+                rec = {**_opened(e, "preemption", "pool"), "cause": f"preempted for {e.get('by')}"}
+            out.append(rec)
             continue
         if e["event"] == "membership":
             # the gang that resumed has other members: say so on the record it ended

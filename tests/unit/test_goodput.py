@@ -124,3 +124,41 @@ def test_muted_heartbeat_writer_writes_nothing_until_the_delay_ends(tmp_path):
     w.mute(until=0)
     w.beat(step=3, total=9, state=RankState.TRAINING)
     assert json.loads((tmp_path / "rank-00000.json").read_text())["step"] == 3
+
+
+def test_a_lost_node_task_a_users_control_and_a_preemption_are_faults_too():
+    events = [
+        # the survivors' workers exit when node 1's task is SIGKILLed; its next try says why
+        {"event": "worker_exited", "rank": 0, "signal": None, "exitcode": 1, "step": 140, "time": 10.0},
+        {"event": "node_task_lost", "node": 1, "try": 1, "host": "h1", "time": 12.0},
+        {"event": "resumed", "step": 100, "time": 20.0},
+        {
+            "event": "member_ended",
+            "node": 0,
+            "state": "failed",
+            "message": "node 0 marked failed",
+            "step": 200,
+            "time": 30.0,
+        },  # fmt: skip
+        {"event": "resumed", "step": 200, "time": 90.0},  # cleared, provisioned again
+        {"event": "preempted", "step": 250, "by": "t/d/hi", "time": 100.0},
+        {"event": "resumed", "step": 250, "time": 160.0},
+    ]
+    lost, user, preempted = fault_records(events)
+    assert (lost["kind"], lost["source"], lost["cause"]) == (
+        "node_lost",
+        "outside",
+        "node 1's task (try 1 on h1) was lost",
+    )
+    assert lost["recovery_s"] == 10.0 and lost["steps_lost"] == 39
+    assert (user["kind"], user["source"], user["cause"], user["recovery_s"]) == (
+        "user_action",
+        "user",
+        "node 0 marked failed",
+        60.0,
+    )
+    assert (preempted["kind"], preempted["source"], preempted["steps_lost"]) == ("preemption", "pool", 0)
+    assert preempted["recovery_s"] == 60.0 and preempted["cause"] == "preempted for t/d/hi"
+    # a lost node task with no exit seen first opens its own record
+    (alone,) = fault_records([{"event": "node_task_lost", "node": 2, "try": 3, "host": "h2", "time": 5.0}])
+    assert alone["kind"] == "node_lost" and alone["node"] == 2 and alone["restarts"]

@@ -118,6 +118,10 @@ def test_node_try_charges_a_silently_dead_predecessor_to_its_host(tmp_path, regi
     second = NodeTry(plan, 1, 2, host="b", registry=registry, policy=policy)
     second.begin()
     assert [h["host"] for h in registry.hosts(policy=policy)] == ["a"]
+    from trainflow.timeline import read
+
+    (lost,) = [e for e in read(plan["run_dir"]) if e["event"] == "node_task_lost"]  # a fault record's cause
+    assert (lost["node"], lost["try"], lost["host"]) == (1, 1, "a")
     second.end("exit 1", failure="agent exited with code 1")  # b: one failure, not cordoned
     assert registry.cordoned("b") is None
     third = NodeTry(plan, 1, 3, host="a", registry=registry, policy=policy)

@@ -100,6 +100,7 @@ class NodeTry:
                     node=self.node,
                     policy=self.policy,
                 )
+                record(self.run_dir, "node_task_lost", node=self.node, host=last["host"], **{"try": last["try"]})
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.marker, {**self._marker_fields(), "pid": os.getpid()})
         self.started = time.time()

@@ -78,7 +78,7 @@ class RunState(str, enum.Enum):
 _NOT_TRAINING = frozenset({RunState.HEALING, RunState.STALLED, RunState.PREEMPTED, RunState.FAILED})
 
 # Observations that stop the gang's progress until it trains a step again ("first_step").
-_STOPPING_EVENTS = frozenset({"worker_exited", "stall_detected", "node_lost"})
+_STOPPING_EVENTS = frozenset({"worker_exited", "stall_detected", "node_lost", "node_task_lost"})
 
 
 def _clock(t: Any) -> str:
