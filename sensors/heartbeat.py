@@ -35,6 +35,8 @@ class HeartbeatTrigger(BaseTrigger):
     :param straggler_margin: compute-time excess over the peers' median that flags a straggler.
     :param exclude_stragglers: replace a confirmed straggler's node after the next checkpoint.
     :param checkpoint_timeout: seconds a rank may go without a step while it saves or evaluates.
+    :param stall_timeout: seconds a program without the SDK may go without output or a new
+        checkpoint.
     """
 
     def __init__(
@@ -50,9 +52,11 @@ class HeartbeatTrigger(BaseTrigger):
         straggler_margin: float = 0.5,
         exclude_stragglers: bool = False,
         checkpoint_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         super().__init__()
         self.checkpoint_timeout = checkpoint_timeout
+        self.stall_timeout = stall_timeout
         self.exclude_stragglers = exclude_stragglers
         self.max_remediations = max_remediations
         self.straggler_margin = straggler_margin
@@ -72,6 +76,7 @@ class HeartbeatTrigger(BaseTrigger):
                 "timeout": self.timeout,
                 "startup_timeout": self.startup_timeout,
                 "checkpoint_timeout": self.checkpoint_timeout,
+                "stall_timeout": self.stall_timeout,
                 "started_at": self.started_at,
                 "poll_interval": self.poll_interval,
                 "max_remediations": self.max_remediations,
@@ -89,7 +94,10 @@ class HeartbeatTrigger(BaseTrigger):
             world_size=self.world_size,
             started_at=self.started_at,
             policy=HeartbeatPolicy(
-                timeout=self.timeout, startup_timeout=self.startup_timeout, checkpoint_timeout=self.checkpoint_timeout
+                timeout=self.timeout,
+                startup_timeout=self.startup_timeout,
+                checkpoint_timeout=self.checkpoint_timeout,
+                stall_timeout=self.stall_timeout,
             ),
             node_started=node_started,
         )
@@ -248,6 +256,7 @@ class HeartbeatSensor(BaseSensorOperator):
                 timeout=spec["heartbeat_timeout"],
                 startup_timeout=spec["startup_timeout"],
                 checkpoint_timeout=spec.get("checkpoint_timeout"),
+                stall_timeout=spec.get("stall_timeout"),
                 started_at=time.time(),
                 poll_interval=self.poll_interval,
                 max_remediations=spec["retries"] * len(plan["nodes"]),

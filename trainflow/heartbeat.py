@@ -45,11 +45,13 @@ class HeartbeatPolicy:
     """How long a rank may go without progress: ``timeout`` while it steps,
     ``startup_timeout`` while it starts (and before the watch saw it progress), and
     ``checkpoint_timeout`` (at least ``timeout``) while its heartbeat's phase is a save or an
-    evaluation."""
+    evaluation, and ``stall_timeout`` for a rank of a program without the SDK (its node
+    agent beats for it: progress is the program's output and checkpoints)."""
 
     timeout: float
     startup_timeout: float
     checkpoint_timeout: float | None = None
+    stall_timeout: float | None = None
 
 
 # Heartbeat phases (``sdk.phase``, the built-in loop's own) and which limit applies in them.
@@ -254,6 +256,9 @@ def classify(
             # A program's own start-up section (sdk.phase("startup")): the startup window.
             since = max(progress, float(b.get("phase_since") or progress))
             limit = policy.startup_timeout
+        elif b.get("source") == "agent":
+            # A program without the SDK: silent (no output, no new checkpoint) this long.
+            since, limit = progress, policy.stall_timeout or policy.timeout
         elif state == RankState.CHECKPOINTING.value or b.get("phase") in SAVE_PHASES:
             since, limit = progress, max(policy.timeout, policy.checkpoint_timeout or policy.timeout)
         else:

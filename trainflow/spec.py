@@ -58,6 +58,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "heartbeat_timeout",
         "startup_timeout",
         "checkpoint_timeout",
+        "stall_timeout",
         "straggler_margin",
         "exclude_stragglers",
         "crash_loop_limit",
@@ -262,6 +263,17 @@ class TrainingSpec:
             "Longest a rank may go without a step while it saves a checkpoint or evaluates (a "
             "program's sdk.phase('checkpoint') or ('eval') section); the heartbeat timeout applies "
             "to steps, the startup timeout to start-up.",
+            minimum=1,
+            maximum=86400,
+        ),
+    )
+    stall_timeout: float = field(
+        default=600.0,
+        metadata=_meta(
+            "Stall timeout (s)",
+            "A program that reports nothing through the SDK is a hang when neither its output "
+            "nor its checkpoints advanced for this long (its ranks' progress is what they print "
+            "and save); SDK programs and the built-in loop use the heartbeat timeout.",
             minimum=1,
             maximum=86400,
         ),

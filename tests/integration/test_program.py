@@ -231,3 +231,66 @@ def test_an_exit_code_named_no_retry_ends_the_run_at_once(tmp_path):
     record = aborted(run_dir)
     assert record and record["kind"] == "user" and "exited with code 2" in record["message"], record
     assert sum(1 for e in read(run_dir) if e["event"] == "gang_start") == 1
+
+
+CHATTY_THEN_SILENT = """
+import sys, time
+chatty_until = time.time() + float(sys.argv[1])
+while time.time() < chatty_until:
+    print("step", flush=True)  # no SDK, no checkpoint: only its output says it is alive
+    time.sleep(0.2)
+time.sleep(600)  # silent: a hang
+"""
+
+
+def test_a_program_without_the_sdk_is_alive_while_it_prints_and_stalled_once_silent(tmp_path):
+    """The silence watchdog: a program that reports nothing through the SDK and saves no
+    checkpoint is judged by its output. While it prints, no stall past ``stall_timeout``;
+    once it is silent that long, the watch calls it stalled."""
+    from trainflow.heartbeat import HeartbeatPolicy, Verdict, classify
+
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY_THEN_SILENT)
+    chatty_s, stall_s = 8.0, 2.0
+    spec = TrainingSpec(
+        nodes=1,
+        steps=10,
+        checkpoint_interval=10,
+        heartbeat_interval=0.2,
+        stall_timeout=stall_s,
+        program=["python", str(script), str(chatty_s)],
+    )
+    run_dir = tmp_path / "run"
+    policy = HeartbeatPolicy(timeout=60.0, startup_timeout=120.0, stall_timeout=spec.stall_timeout)
+    started = time.time()
+    (proc,) = start_agents(prepare(spec, run_dir), 1, log_dir=run_dir / "logs")
+    verdicts = []
+    try:
+        deadline = started + 120
+        while time.time() < deadline:
+            now = time.time()
+            verdict = classify(
+                read_all(run_dir / "heartbeats"), now=now, world_size=1, started_at=started, policy=policy
+            )
+            verdicts.append((now, verdict.verdict, read_all(run_dir / "heartbeats").get(0, {}).get("state")))
+            if verdict.verdict == Verdict.STALLED:
+                break
+            assert proc.poll() is None, "the agent ended"
+            time.sleep(0.2)
+    finally:
+        kill_tree(proc)
+        proc.wait()
+    printing = [t for t, _, state in verdicts if state == "training"]
+    assert printing, verdicts  # it was seen alive, by its output
+    stalled_at = verdicts[-1][0]
+    assert verdicts[-1][1] == Verdict.STALLED, verdicts[-5:]
+    # Alive for its whole chatty phase (far longer than stall_timeout), stalled soon after.
+    assert stalled_at - printing[0] >= chatty_s - 2.0, (stalled_at - printing[0], verdicts[:5])
+    assert (
+        "rank 0 without progress"
+        in classify(
+            read_all(run_dir / "heartbeats"), now=stalled_at, world_size=1, started_at=started, policy=policy
+        ).message
+    )
+    log = (run_dir / "logs" / "agent-0.log").read_text()
+    assert log.count("step") >= 10  # the tap passed the program's output on

@@ -331,3 +331,18 @@ def test_a_save_or_evaluation_gets_the_checkpoint_timeout_and_a_step_the_heartbe
     assert classify({0: beat("checkpoint")}, now=61.0, world_size=1, started_at=-1.0, policy=without).verdict == (
         Verdict.STALLED
     )
+
+
+def test_a_program_without_the_sdk_is_judged_by_stall_timeout():
+    """Its node agent beats for it (``source: agent``): silent for less than
+    ``stall_timeout`` is fine however short ``heartbeat_timeout`` is; longer is a stall."""
+    from trainflow.heartbeat import HeartbeatPolicy, Verdict, classify
+
+    beat = {"node": 0, "step": 300, "state": "training", "progress_time": 100.0, "alive": 400.0, "source": "agent"}
+    policy = HeartbeatPolicy(timeout=10.0, startup_timeout=60.0, stall_timeout=600.0)
+    ok = classify({0: beat}, now=400.0, world_size=1, started_at=50.0, policy=policy)
+    assert ok.verdict == Verdict.HEALTHY, ok.message
+    late = classify({0: beat}, now=701.0, world_size=1, started_at=50.0, policy=policy)
+    assert late.verdict == Verdict.STALLED and late.ranks == (0,)
+    sdk = classify({0: {**beat, "source": "sdk"}}, now=400.0, world_size=1, started_at=50.0, policy=policy)
+    assert sdk.verdict == Verdict.STALLED  # a rank that reports for itself: heartbeat_timeout

@@ -12,7 +12,9 @@ The node agent starts this on every rank where the built-in loop would start; it
    variables, the spec's resource limits, dying with its agent;
 3. sets the launch contract's variables (``trainflow.program.CONTRACT``), resolves the
    placeholders of ``program`` and ``exec``s it in the run's ``working_dir``, so the process
-   torch elastic watches is the program itself (its exit code, its signal).
+   torch elastic watches is the program itself (its exit code, its signal); its output
+   passes through a tap (``tap_output``) that tells the node agent when the rank last
+   printed: a program without the SDK is alive while it prints or checkpoints.
 """
 
 from __future__ import annotations
@@ -28,6 +30,64 @@ from trainflow.errors import CrashLoopError
 from trainflow.workspace import write_json_atomic
 
 GANG_FILE = "gang.json"
+# Where each rank's tap marks its last output (the file's mtime): ``output/rank-<r>``.
+OUTPUT_DIR = "output"
+
+
+def output_mark(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / OUTPUT_DIR / f"rank-{rank:05d}"
+
+
+def tap_output(mark: Path, every: float = 1.0) -> int:
+    """Route this process's stdout and stderr (the program's, once it is exec'd) through
+    pipes read by a forked tap that copies every byte to where it went before and touches
+    ``mark`` at most every ``every`` seconds. The tap ignores the signals that stop a gang
+    (the program gets them) and ends when the program and its children close the pipes.
+    Returns the tap's pid."""
+    import selectors
+    import signal
+
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    pipes = {fd: os.pipe() for fd in (1, 2)}
+    pid = os.fork()
+    if pid == 0:  # the tap
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            sel = selectors.DefaultSelector()
+            for fd, (r, w) in pipes.items():
+                os.close(w)
+                sel.register(r, selectors.EVENT_READ, fd)
+            last, open_ = 0.0, len(pipes)
+            while open_:
+                for key, _ in sel.select():
+                    try:
+                        data = os.read(key.fd, 65536)
+                    except InterruptedError:
+                        continue
+                    if not data:
+                        sel.unregister(key.fd)
+                        open_ -= 1
+                        continue
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(key.data, view) :]
+                    except OSError:
+                        pass  # nobody reads the output any more: keep draining the program's
+                    if (now := time.time()) - last >= every:
+                        last = now
+                        try:
+                            mark.touch()
+                        except OSError:
+                            pass
+        finally:
+            os._exit(0)
+    for fd, (r, w) in pipes.items():
+        os.close(r)
+        os.dup2(w, fd)
+        os.close(w)
+    return pid
 
 
 def gang_key(env=os.environ) -> str:
@@ -164,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(spec.working_dir or run_dir)
     sys.stdout.flush()
     sys.stderr.flush()
+    tap_output(output_mark(run_dir, rank), every=min(1.0, spec.heartbeat_interval))
     try:
         os.execvpe(command[0], command, env)
     except OSError as exc:  # not found, not executable: the user's to fix, no retry helps

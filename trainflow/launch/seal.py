@@ -201,17 +201,28 @@ class Sealer:
 
     def pulse(self, now: float | None = None) -> None:
         """Heartbeats for this node's ranks whose program does not report through the SDK
-        (no heartbeat of its own): progress is the newest verified checkpoint, so the hang
-        watch sees a program that stops checkpointing for ``heartbeat_timeout`` as stalled.
-        A rank whose program reports for itself is left alone."""
+        (no heartbeat of its own): the step is the newest verified checkpoint's, and the
+        rank progressed when it last printed (its output tap) or checkpointed, so the hang
+        watch sees a program silent on both for ``stall_timeout`` as stalled. A rank whose
+        program reports for itself is left alone."""
         now = time.time() if now is None else now
         if now - self._pulse_at < self.spec.heartbeat_interval:
             return
         self._pulse_at = now
+        from trainflow.launch.program import output_mark
+
         refs = manifest.list_checkpoints(self.root)
         step = refs[0][0] if refs else 0
-        since = refs[0][1].stat().st_mtime if refs else self._started
+        saved = refs[0][1].stat().st_mtime if refs else 0.0
         for rank in self.ranks:
+            try:  # when the rank last printed (its output tap)
+                printed = output_mark(self.run_dir, rank).stat().st_mtime
+            except OSError:
+                printed = 0.0
+            since = max(saved, printed)
+            # Nothing printed or saved since this agent started: still starting (the watch
+            # gives it the startup window), not silent.
+            starting = since < self._started
             path = self.run_dir / "heartbeats" / f"rank-{rank:05d}.json"
             try:
                 mine = json.loads(path.read_text()).get("source") == "agent"
@@ -227,12 +238,12 @@ class Sealer:
                     "node": self.node,
                     "step": step,
                     "total": self.spec.steps,
-                    "state": RankState.TRAINING.value,
+                    "state": (RankState.STARTING if starting else RankState.TRAINING).value,
                     "time": now,
                     "alive": now,
-                    "progress_time": since,
+                    "progress_time": self._started if starting else since,
                     "started": self._started,
-                    "phase": "program",
+                    "phase": "starting" if starting else "program",
                     "phase_since": self._started,
                     "source": "agent",
                 },

@@ -216,6 +216,7 @@ def _state(
         timeout=float(spec.get("heartbeat_timeout", 60.0)),
         startup_timeout=float(spec.get("startup_timeout", 300.0)),
         checkpoint_timeout=spec.get("checkpoint_timeout"),
+        stall_timeout=spec.get("stall_timeout"),
     )
     restarts = {
         int(n["node"]): float(n["started"]) for n in nodes if n.get("node") is not None and n.get("started") is not None
