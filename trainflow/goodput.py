@@ -42,8 +42,15 @@ def fault_records(events: list[dict]) -> list[dict]:
         if e["event"] == "worker_exited":
             open_ = [rec for rec in out if rec["restarts"] and "resumed_time" not in rec]
             if open_:
-                open_[-1].setdefault("cause", exit_cause(e))
-                open_[-1]["exits"] = open_[-1].get("exits", 0) + 1
+                rec = open_[-1]
+                if e.get("signal") and " exited with code " in rec.get("cause", ""):
+                    # A rank killed by a signal is the cause; its peers' exit codes (a broken
+                    # collective) follow from it, whichever agent saw its exit first.
+                    rec["cause"] = exit_cause(e)
+                    if rec["kind"] == "worker_exit":
+                        rec["rank"] = e.get("rank")
+                rec.setdefault("cause", exit_cause(e))
+                rec["exits"] = rec.get("exits", 0) + 1
                 continue
             out.append(
                 {

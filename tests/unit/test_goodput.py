@@ -27,6 +27,8 @@ def test_an_exit_from_outside_opens_a_fault_and_an_injected_one_gives_its_cause(
         {"event": "worker_exited", "rank": 0, "signal": None, "exitcode": 137, "step": 300, "time": 30.0},
         {"event": "resumed", "step": 300, "time": 33.0},
     ]
+    (swapped,) = fault_records([outside[1], outside[0], outside[2]])  # the peer's exit seen first
+    assert (swapped["cause"], swapped["rank"], swapped["exits"]) == ("rank 1 ended by SIGKILL", 1, 2)
     first, second = fault_records(outside)
     assert (first["kind"], first["source"], first["cause"]) == ("worker_exit", "outside", "rank 1 ended by SIGKILL")
     assert first["exits"] == 2 and first["recovery_s"] == 4.0 and first["steps_lost"] == 39
