@@ -19,6 +19,14 @@ def exit_cause(e: dict) -> str:
     return f"rank {e.get('rank')} {how}"
 
 
+def _stalled_at(e: dict) -> int | None:
+    """The step a stall stopped the gang in: one past the last step every rank finished
+    (``stall_detected`` carries each rank's step), so the steps after the resume point are
+    counted as lost like any fault's."""
+    steps = [int(v) for v in (e.get("steps") or {}).values() if v is not None and int(v) >= 0]
+    return min(steps) + 1 if steps else None
+
+
 def _opened(e: dict, kind: str, source: str) -> dict:
     """A fault record opened by event ``e`` that stops training until a gang resumes."""
     return {"kind": kind, "source": source, "time": e["time"], "step": e.get("step"), "restarts": True}
@@ -121,7 +129,7 @@ def fault_records(events: list[dict]) -> list[dict]:
                     "kind": kind,
                     "source": "injected" if e["event"] == "fault_injected" else "detected",
                     "time": e["time"],
-                    "step": e.get("step"),
+                    "step": e.get("step", _stalled_at(e)),
                     "restarts": kind not in NO_RESTART,
                     **({"detected_time": e["time"], "detection_s": 0.0} if e["event"] == "stall_detected" else {}),
                 }

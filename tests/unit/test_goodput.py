@@ -163,4 +163,12 @@ def test_a_lost_node_task_a_users_control_and_a_preemption_are_faults_too():
     assert preempted["recovery_s"] == 60.0 and preempted["cause"] == "preempted for t/d/hi"
     # a lost node task with no exit seen first opens its own record
     (alone,) = fault_records([{"event": "node_task_lost", "node": 2, "try": 3, "host": "h2", "time": 5.0}])
+    # a hang from outside (SIGSTOP): the watch's record counts the steps the gang redoes
+    (stall,) = fault_records(
+        [
+            {"event": "stall_detected", "ranks": [1], "steps": {"0": 102, "1": 101}, "time": 50.0},
+            {"event": "resumed", "step": 100, "time": 70.0},
+        ]
+    )
+    assert (stall["kind"], stall["step"], stall["steps_lost"], stall["recovery_s"]) == ("stall_detected", 102, 1, 20.0)
     assert alone["kind"] == "node_lost" and alone["node"] == 2 and alone["restarts"]
