@@ -4,6 +4,9 @@ throughput vs a raw sequential write/read of the same bytes on the same disk.
 Runs under torchrun (2 ranks, gloo, DDP) with trainflow's own save/load code:
 
     .venv/bin/python bench/checkpoint.py [--params-m 25] [--rounds 5] [--steps 200]
+    .venv/bin/python bench/checkpoint.py --smoke    # seconds: what the test suite runs
+
+Writes bench/results/checkpoint.json (checkpoint_smoke.json with --smoke).
 
 Goals (issue 3): async stall ≤ 1/20 of sync; steady-state overhead ≤ 2% of step time at
 the default interval (50 steps); save/load throughput ≥ 0.8 × raw. The steady-state
@@ -308,11 +311,19 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--dir")
     parser.add_argument("--result")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "checkpoint.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/checkpoint.json")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds: 1 M parameters, one round, one pair of 2-step blocks (the suite runs it)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
+    if args.smoke:
+        args.params_m, args.rounds, args.steps, args.pairs = 1, 1, 2, 1
+    args.out = args.out or REPO / "bench" / "results" / ("checkpoint_smoke.json" if args.smoke else "checkpoint.json")
     work = Path(tempfile.mkdtemp(prefix="tf-ckpt-bench-", dir=os.environ.get("TRAINFLOW_BENCH_DIR")))
     result = work / "result.json"
     warm_page_cache(work, int(args.params_m * 1e6 * 4 * 3 * 8))

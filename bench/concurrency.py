@@ -9,9 +9,10 @@ trigger to the run's first training step (the rank's ``first_step`` timeline eve
 p95, and whether every run completed.
 
     .venv/bin/python bench/concurrency.py
+    .venv/bin/python bench/concurrency.py --smoke    # what the test suite runs
 
-Writes bench/results/concurrency.json; goal: every run completes, no tenant starves (b's and
-c's runs do not wait for all of a's), p50/p95 reported.
+Writes bench/results/concurrency.json (concurrency_smoke.json with --smoke); goal: every run
+completes, no tenant starves (b's and c's runs do not wait for all of a's), p50/p95 reported.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ CONF = {
     "heartbeat_interval": 0.5,
     "admission_timeout": 3600,
 }
+# --smoke: 6 runs of 10 steps, a's first: still more runs than the pool's 4 nodes, so runs
+# queue in both modes.
+SMOKE_TENANTS = {"a": 4, "b": 1, "c": 1}
+SMOKE_CONF = {**CONF, "steps": 10, "checkpoint_interval": 5}
 DAG_FILE = '''"""Airflow DAGs: one training DAG per tenant (Airflow's safe mode reads files naming both words)."""
 from operators.dag_factory import training_dag
 
@@ -57,16 +62,16 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def wave(client, label: str) -> dict:
+def wave(client, label: str, tenants: dict[str, int] = TENANTS, conf: dict = CONF) -> dict:
     """Trigger every tenant's runs at once; wait for all; each run's trigger → first step."""
     triggered = {}
-    for tenant, n in TENANTS.items():
+    for tenant, n in tenants.items():
         for i in range(n):
             run_id = f"{label}-{tenant}-{i:02d}"
             triggered[(tenant, run_id)] = time.time()
-            client.trigger(f"train_{tenant}", {**CONF, "tenant": tenant}, run_id=run_id)
+            client.trigger(f"train_{tenant}", {**conf, "tenant": tenant}, run_id=run_id)
     out: dict = {"per_tenant": {}, "failed": []}
-    waits: dict[str, list[float]] = {t: [] for t in TENANTS}
+    waits: dict[str, list[float]] = {t: [] for t in tenants}
     for (tenant, run_id), t0 in triggered.items():
         run = client.wait_run(f"train_{tenant}", run_id, timeout=3600, poll=2)
         if run["state"] != "success":
@@ -77,7 +82,7 @@ def wave(client, label: str) -> dict:
         waits[tenant].append(first - t0)
     for tenant, w in waits.items():
         out["per_tenant"][tenant] = {
-            "runs": TENANTS[tenant],
+            "runs": tenants[tenant],
             "completed": len(w),
             "p50_s": round(statistics.median(w), 1) if w else None,
             "p95_s": round(pct(w, 0.95), 1) if w else None,
@@ -90,11 +95,18 @@ def wave(client, label: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "concurrency.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/concurrency.json")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="both modes with 6 runs (a=4, b=1, c=1) of 10 steps on the same pool and quotas (the suite runs it)",
+    )
     args = parser.parse_args()
+    tenants, conf = (SMOKE_TENANTS, SMOKE_CONF) if args.smoke else (TENANTS, CONF)
+    args.out = args.out or REPO / "bench" / "results" / ("concurrency_smoke.json" if args.smoke else "concurrency.json")
     work = Path(tempfile.mkdtemp(prefix="tf-concurrency-bench-"))
     (work / "dags").mkdir()
-    (work / "dags" / "tenant_dags.py").write_text(DAG_FILE.format(tenants=list(TENANTS)))
+    (work / "dags" / "tenant_dags.py").write_text(DAG_FILE.format(tenants=list(tenants)))
     # Airflow's metadata on PostgreSQL: with 21 runs in flight, SQLite's single writer made
     # the scheduler die of "database is locked" (measured here, session 8).
     import uuid
@@ -116,14 +128,14 @@ def main() -> int:
         database_url=f"postgresql+psycopg2://postgres@127.0.0.1:5432/{meta}",
     )
     stack.up(timeout=300)
-    result: dict = {"bench": "concurrency", "tenants": TENANTS, "quotas": QUOTAS, "conf": CONF, "pool_nodes": 4}
+    result: dict = {"bench": "concurrency", "tenants": tenants, "quotas": QUOTAS, "conf": conf, "pool_nodes": 4}
     try:
         client = stack.client()
-        for tenant in TENANTS:
+        for tenant in tenants:
             client.wait_for_dag(f"train_{tenant}", timeout=180)
             client.unpause(f"train_{tenant}")
         t0 = time.time()
-        result["fifo"] = wave(client, "fifo")
+        result["fifo"] = wave(client, "fifo", tenants, conf)
         result["fifo"]["wall_s"] = round(time.time() - t0, 1)
         print(
             "fifo",
@@ -136,7 +148,7 @@ def main() -> int:
         for tenant, nodes in QUOTAS.items():
             alloc.set_quota("embedded", tenant, nodes)
         t0 = time.time()
-        result["fairshare"] = wave(client, "fair")
+        result["fairshare"] = wave(client, "fair", tenants, conf)
         result["fairshare"]["wall_s"] = round(time.time() - t0, 1)
         print(
             "fairshare",

@@ -21,8 +21,9 @@ again):
   so its goodput is 0 however long it runs.
 
     .venv/bin/python bench/goodput.py [--minutes 10] [--every 60]
+    .venv/bin/python bench/goodput.py --smoke    # about 2 minutes: what the test suite runs
 
-Writes bench/results/goodput.json. Goal: trainflow goodput ≥ 95%.
+Writes bench/results/goodput.json (goodput_smoke.json with --smoke). Goal: trainflow goodput ≥ 95%.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ BASE = dict(
 )
 
 
-def clean_rate(work: Path, seconds: float = 60.0) -> float:
-    """Steps per second of a fault-free gang, measured after its first 10 s."""
+def clean_rate(work: Path, seconds: float = 60.0, settle: float = 10.0) -> float:
+    """Steps per second of a fault-free gang over ``seconds``, measured after its first
+    ``settle`` s of training."""
     spec = TrainingSpec.from_mapping({**BASE, "steps": 10_000_000})
     run_dir = work / "calibration"
     with gang(spec, run_dir):
@@ -69,7 +71,7 @@ def clean_rate(work: Path, seconds: float = 60.0) -> float:
         deadline = time.time() + 120
         while step() < 100 and time.time() < deadline:
             time.sleep(0.2)
-        time.sleep(10)
+        time.sleep(settle)
         s0, t0 = step(), time.time()
         time.sleep(seconds)
         return (step() - s0) / (time.time() - t0)
@@ -162,15 +164,18 @@ def clock_goodput(trace: Trace, steps: int, period: float, settle: float = 10.0)
     }
 
 
-def _faulty(spec: TrainingSpec, run_dir: Path, every: float, limit: float) -> tuple[list[int], float, int, Trace]:
-    """Run ``spec`` killing a rank every ``every`` s; return exit codes, wall, faults and
-    the trace of its progress."""
+def _faulty(
+    spec: TrainingSpec, run_dir: Path, every: float, limit: float, max_faults: float = float("inf")
+) -> tuple[list[int], float, int, Trace]:
+    """Run ``spec`` killing a rank every ``every`` s (at most ``max_faults`` times); return
+    exit codes, wall, faults and the trace of its progress."""
     trace = Trace()
     with gang(spec, run_dir) as procs:
         t0, faults = time.time(), 0
         while any(p.poll() is None for p in procs) and time.time() - t0 < limit:
             trace.samples.append((time.time(), _gang_step(run_dir, spec.world_size)))
-            if time.time() - t0 >= every * (faults + 1) and _training(run_dir, spec.world_size):
+            due = faults < max_faults and time.time() - t0 >= every * (faults + 1)
+            if due and _training(run_dir, spec.world_size):
                 trace.faults.append(time.time())
                 chaos(run_dir, "kill_rank", 1 if faults % 2 == 0 else 0)
                 faults += 1
@@ -184,19 +189,34 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--every", type=float, default=60.0)
     parser.add_argument("--baseline-attempts", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/goodput.json")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every side, tiny: a 5 s calibration, 18 s of training, one fault 10 s in, one baseline "
+        "attempt (the suite runs it)",
+    )
     args = parser.parse_args()
+    calibration, settle, max_faults = {"seconds": 60.0, "settle": 10.0}, 10.0, float("inf")
+    if args.smoke:
+        # One fault, so that the piece after it is long enough to measure its rate however
+        # slowly the gang starts; the figures are not a measurement.
+        args.minutes, args.every, args.baseline_attempts = 0.3, 10.0, 1
+        calibration, settle, max_faults = {"seconds": 5.0, "settle": 2.0}, 2.0, 1
+    args.out = args.out or REPO / "bench" / "results" / ("goodput_smoke.json" if args.smoke else "goodput.json")
     work = Path(tempfile.mkdtemp(prefix="tf-goodput-"))
-    rate = clean_rate(work)
+    rate = clean_rate(work, **calibration)
     steps = int(rate * args.minutes * 60)
     spec = TrainingSpec.from_mapping({**BASE, "steps": steps})
     clean_wall = steps / rate
+    # A short run's limit still leaves room for the gang's start and each recovery.
+    limit = max(4 * clean_wall, 300.0)
     print(f"clean rate {rate:.1f} steps/s → {steps} steps ≈ {clean_wall:.0f}s", flush=True)
 
     # The same run without faults: what the clock costs a run that never fails (gang
     # start-up, checkpoints, the end), for goodput against a clean run's wall time.
-    c_codes, c_wall, _, c_trace = _faulty(spec, work / "clean", float("inf"), limit=4 * clean_wall)
-    control = clock_goodput(c_trace, steps, args.every)
+    c_codes, c_wall, _, c_trace = _faulty(spec, work / "clean", float("inf"), limit=limit)
+    control = clock_goodput(c_trace, steps, args.every, settle=settle)
     clean_run = {
         "exit_codes": c_codes,
         "wall_s": c_wall,
@@ -207,8 +227,8 @@ def main() -> int:
     print(f"clean run: {c_wall:.1f}s; the local-rate method on it (no faults): {control['goodput']:.3f}", flush=True)
 
     run_dir = work / "trainflow"
-    codes, wall, faults, trace = _faulty(spec, run_dir, args.every, limit=4 * clean_wall)
-    local = clock_goodput(trace, steps, args.every)
+    codes, wall, faults, trace = _faulty(spec, run_dir, args.every, limit=limit, max_faults=max_faults)
+    local = clock_goodput(trace, steps, args.every, settle=settle)
     events = read_timeline(run_dir)
     first = next(e["time"] for e in events if e["event"] == "gang_start")
     summary = summarize(run_dir, started=first, ended=first + wall, steps=steps)
@@ -231,7 +251,7 @@ def main() -> int:
     attempts = []
     for i in range(args.baseline_attempts):  # no resume: every retry starts from step 0
         a_dir = work / f"baseline-{i}"
-        a_codes, a_wall, a_faults, _ = _faulty(spec, a_dir, args.every, limit=args.every + 30)
+        a_codes, a_wall, a_faults, _ = _faulty(spec, a_dir, args.every, limit=args.every + 30, max_faults=max_faults)
         reached = max((e["step"] for e in read_timeline(a_dir) if e["event"] == "checkpoint_stall"), default=0)
         attempts.append(
             {

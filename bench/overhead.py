@@ -6,8 +6,10 @@ one run so drift hits both equally. The baseline does what the DAG does, minus A
 DAG time is trigger → run success over REST on an already-running embedded stack.
 
     .venv/bin/python bench/overhead.py [--rounds 2] [--steps 3000]
+    .venv/bin/python bench/overhead.py --smoke    # one round of 12 steps: what the test suite runs
 
-Writes bench/results/overhead.json and prints the wall-time ratio (goal ≤ 1.10).
+Writes bench/results/overhead.json (overhead_smoke.json with --smoke) and prints the
+wall-time ratio (goal ≤ 1.10).
 """
 
 from __future__ import annotations
@@ -98,8 +100,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "overhead.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/overhead.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round of 12 steps, a checkpoint every 2 (the suite runs it)"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 12
+    args.out = args.out or REPO / "bench" / "results" / ("overhead_smoke.json" if args.smoke else "overhead.json")
     conf = {
         "workload": "tinylm",
         "nodes": 2,

@@ -16,8 +16,9 @@ checkpoint), stop → nodes back in the pool, time waiting in the queue, re-admi
 gang training again, steps redone, and its final weights against a clean run of the same spec.
 
     .venv/bin/python bench/preemption.py [--rounds 2]
+    .venv/bin/python bench/preemption.py --smoke    # what the test suite runs
 
-Writes bench/results/preemption.json.
+Writes bench/results/preemption.json (preemption_smoke.json with --smoke).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ HIGH = {
     "seed": 3,
 }
 ARRIVE_AFTER_STEP = 400
+# --smoke: one round of each mode, the low run 1000 steps long, the priority run arriving past
+# step 200 (still off the checkpoint interval, so a preempted run stops between checkpoints).
+SMOKE_LOW_STEPS, SMOKE_ARRIVE_AFTER_STEP = 1000, 200
 
 
 def _events(client, run_id: str, event: str) -> list[dict]:
@@ -85,12 +89,14 @@ def _ok(client, run_id: str, timeout: float = 1200) -> None:
         raise RuntimeError(f"run {run_id} ended {run['state']}")
 
 
-def round_(client, stamp: str, *, preemptible: bool, clean: str) -> dict:
+def round_(
+    client, stamp: str, *, preemptible: bool, clean: str, low_conf: dict = LOW, arrive_after: int = ARRIVE_AFTER_STEP
+) -> dict:
     """One low run and one priority run arriving mid-way; the priority run's wait and, when
     preempted, the preempted run's costs."""
     low, high = f"bench-low-{stamp}", f"bench-high-{stamp}"
-    client.trigger(DAG, {**LOW, "preemptible": preemptible}, run_id=low)
-    _wait_training(client, low, ARRIVE_AFTER_STEP)
+    client.trigger(DAG, {**low_conf, "preemptible": preemptible}, run_id=low)
+    _wait_training(client, low, arrive_after)
     arrived = time.time()
     client.trigger(DAG, HIGH, run_id=high)
     _ok(client, high)
@@ -122,8 +128,19 @@ def round_(client, stamp: str, *, preemptible: bool, clean: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "preemption.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/preemption.json")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"one round of each mode, a {SMOKE_LOW_STEPS}-step low run, the priority run past step "
+        f"{SMOKE_ARRIVE_AFTER_STEP} (the suite runs it)",
+    )
     args = parser.parse_args()
+    low_conf, arrive_after = LOW, ARRIVE_AFTER_STEP
+    if args.smoke:
+        args.rounds = 1
+        low_conf, arrive_after = {**LOW, "steps": SMOKE_LOW_STEPS}, SMOKE_ARRIVE_AFTER_STEP
+    args.out = args.out or REPO / "bench" / "results" / ("preemption_smoke.json" if args.smoke else "preemption.json")
     waits: dict[str, list[float]] = {"none": [], "preempt": []}
     preempted: list[dict] = []
     with embedded_stack("tf-preempt-bench-", node_slots=4) as stack:
@@ -131,12 +148,19 @@ def main() -> int:
         client.wait_for_dag(DAG, timeout=180)
         client.unpause(DAG)
         stamp = int(time.time())
-        client.trigger(DAG, LOW, run_id=f"bench-clean-{stamp}")
+        client.trigger(DAG, low_conf, run_id=f"bench-clean-{stamp}")
         _ok(client, f"bench-clean-{stamp}")
         clean = client.xcom(DAG, f"bench-clean-{stamp}", "evaluate", "metrics")["weights_sha256"]
         for i in range(args.rounds):
             for mode in ("none", "preempt"):
-                r = round_(client, f"{stamp}-{i}-{mode}", preemptible=mode == "preempt", clean=clean)
+                r = round_(
+                    client,
+                    f"{stamp}-{i}-{mode}",
+                    preemptible=mode == "preempt",
+                    clean=clean,
+                    low_conf=low_conf,
+                    arrive_after=arrive_after,
+                )
                 if not r["low_weights_equal_clean"]:
                     raise RuntimeError(f"round {i} ({mode}): the low run's weights differ from the clean run's")
                 waits[mode].append(r["priority_wait_s"])
@@ -153,9 +177,9 @@ def main() -> int:
         ("priority_wait_no_preemption", waits["none"]),
         ("priority_wait_with_preemption", waits["preempt"]),
         rounds=args.rounds,
-        low=LOW,
+        low=low_conf,
         high=HIGH,
-        arrive_after_step=ARRIVE_AFTER_STEP,
+        arrive_after_step=arrive_after,
         preempted_runs=preempted,
         preempted_medians=summary,
         steps_redone=[r["steps_redone"] for r in preempted],

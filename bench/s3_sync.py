@@ -16,12 +16,15 @@ file's BLAKE3 checked against the manifest as it arrives, partial dir and rename
 ``file://`` tier does before verifying).
 
     .venv/bin/python bench/s3_sync.py [--rounds 3] [--down-rounds 40] [--shards 4] [--shard-mb 64] [--server-cpu 1]
+    .venv/bin/python bench/s3_sync.py --smoke    # seconds: what the test suite runs
 
 By default the server and the clients share every CPU (on two cores the server's work and
 the download's hashing compete); ``--server-cpu N`` gives the server CPU N alone and the
 clients the rest, as a server on hardware of its own would (S3 never runs on the training
-node). Writes bench/results/s3_sync.json (``--server-cpu``: s3_sync_server_cpu.json);
-goal: upload and download ≥ 0.9× raw TransferManager.
+node). Writes bench/results/s3_sync.json (``--server-cpu``: s3_sync_server_cpu.json;
+``--smoke``: s3_sync_smoke.json); goal: upload and download ≥ 0.9× raw TransferManager.
+``--smoke`` runs every side once on 2 shards of 20 MiB (still multipart: two parts each)
+without the pauses between transfers.
 """
 
 from __future__ import annotations
@@ -90,11 +93,18 @@ def main() -> int:
         "server on hardware of its own, as S3 is; default: all share every CPU)",
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds: one round and one download pair of 2 shards of 20 MiB, no pauses (the suite runs it)",
+    )
     args = parser.parse_args()
+    pause = 1.0
+    if args.smoke:
+        args.rounds, args.down_rounds, args.shards, args.shard_mb, pause = 1, 1, 2, 20, 0.0
     if args.out is None:
-        args.out = (
-            REPO / "bench" / "results" / ("s3_sync.json" if args.server_cpu is None else "s3_sync_server_cpu.json")
-        )
+        name = "s3_sync_smoke" if args.smoke else "s3_sync" if args.server_cpu is None else "s3_sync_server_cpu"
+        args.out = REPO / "bench" / "results" / f"{name}.json"
     work = Path(tempfile.mkdtemp(prefix="tf-s3-bench-", dir=os.environ.get("TRAINFLOW_BENCH_DIR")))
     settings = TransferSettings()
     server_cpus = None
@@ -137,7 +147,7 @@ def main() -> int:
             order = ("ours", "raw") if i % 2 == 0 else ("raw", "ours")
             for who in order + ("raw_checked",):
                 drop_caches(Path(ref.path))
-                settle()
+                settle(pause)
                 t0 = time.perf_counter()
                 if who == "ours":
                     store.upload(ref)
@@ -150,7 +160,7 @@ def main() -> int:
         # (timed between the upload rounds, single downloads of either side took 0.4-0.9 s
         # against their usual 0.25 s, a third of them in some runs), after one untimed
         # download.
-        settle(5)
+        settle(5 * pause)
         store = first
         raw_down(store._key(100), work / "warm-up")
         shutil.rmtree(work / "warm-up")
@@ -167,7 +177,7 @@ def main() -> int:
                 shutil.rmtree(dest)
         for i in range(args.rounds):
             drop_caches(Path(ref.path))
-            settle()
+            settle(pause)
             t0 = time.perf_counter()
             shutil.copytree(ref.path, work / f"copy-{i}")
             series["local_copy"].append(time.perf_counter() - t0)

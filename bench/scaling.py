@@ -13,8 +13,12 @@ its fitted growth exponent (cost ∝ size^k from a least-squares line in log-log
   run's wall time from trigger to success minus the slowest node task's training time.
 
     .venv/bin/python bench/scaling.py [sim admission heartbeat checkpoint dag]
+    .venv/bin/python bench/scaling.py --smoke    # every part, tiny sizes: what the test suite runs
 
 Writes ``bench/results/scaling.json`` (merging with earlier parts) and ``scaling.png``.
+``--smoke`` runs every part's code with three tiny sizes (two node-task counts for ``dag``;
+the simulator on one trace, cluster06, repeated past its end) and writes a fresh
+``bench/results/scaling_smoke.json``; its figures are not a measurement.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "results" / "scaling.json"
 TRACES = REPO.parent / "shared" / "traces" / "itp"
+# Each part's arguments under --smoke: every part's code, sizes that take seconds.
+SMOKE = {
+    "sim": {"sizes": [300, 1000, 3000], "traces": "cluster06.csv"},
+    "admission": {"sizes": [1, 10, 30]},
+    "heartbeat": {"sizes": [2, 8, 32]},
+    "checkpoint": {"sizes_m": [1, 2, 3]},
+    "dag": {"sizes": [1, 2]},
+}
 
 
 def _slope(xs, ys) -> float:
@@ -62,7 +74,7 @@ def _best(fn, rounds: int) -> float:
     return min(times)
 
 
-def bench_sim() -> dict:
+def bench_sim(sizes=(1000, 3000, 10000, 30000, 60000), traces: str = "cluster*.csv") -> dict:
     from dataclasses import replace
 
     from trainflow.sched.model import Pool
@@ -73,12 +85,12 @@ def bench_sim() -> dict:
         return replace(j, request=replace(j.request, id=f"{tag}-{j.request.id}", submitted=at))
 
     base = []
-    for csv in sorted(TRACES.glob("cluster*.csv")):
+    for csv in sorted(TRACES.glob(traces)):
         jobs = load(csv)
         offset = (max(j.request.submitted for j in base) + 1) if base else 0.0
         start = min(j.request.submitted for j in jobs)
         base += [shifted(j, csv.stem, j.request.submitted - start + offset) for j in jobs]
-    sizes = [1000, 3000, 10000, 30000, 60000]
+    sizes = list(sizes)
     span = max(j.request.submitted for j in base) - min(j.request.submitted for j in base)
     # The pool that the traces' work fills to ~90% on average: queues form, none grows forever.
     nodes = max(1, round(sum(j.duration * j.request.chips for j in base) / (8 * span * 0.9)))
@@ -99,10 +111,10 @@ def bench_sim() -> dict:
     return out
 
 
-def bench_admission() -> dict:
+def bench_admission(sizes=(1, 10, 100, 1000, 3000)) -> dict:
     from trainflow.cluster.allocator import Allocator
 
-    sizes = [1, 10, 100, 1000, 3000]
+    sizes = list(sizes)
     out = {"queued": sizes, "seconds": []}
     for n in sizes:
         with tempfile.TemporaryDirectory() as d:
@@ -132,10 +144,10 @@ def bench_admission() -> dict:
     return {**out, **fit(sizes, out["seconds"])}
 
 
-def bench_heartbeat() -> dict:
+def bench_heartbeat(sizes=(2, 8, 32, 128, 512, 2048)) -> dict:
     from trainflow.heartbeat import HeartbeatPolicy, HeartbeatWriter, RankState, classify, read_all
 
-    sizes = [2, 8, 32, 128, 512, 2048]
+    sizes = list(sizes)
     out = {"ranks": sizes, "seconds": []}
     for n in sizes:
         with tempfile.TemporaryDirectory() as d:
@@ -155,7 +167,7 @@ def bench_heartbeat() -> dict:
     return {**out, **fit(sizes, out["seconds"])}
 
 
-def bench_checkpoint() -> dict:
+def bench_checkpoint(sizes_m=(1, 3, 10, 30, 100)) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -164,7 +176,7 @@ def bench_checkpoint() -> dict:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
-    sizes_m = [1, 3, 10, 30, 100]
+    sizes_m = list(sizes_m)
     out = {"params_m": sizes_m, "save_s": [], "load_s": [], "bytes": []}
     try:
         for m in sizes_m:
@@ -201,11 +213,11 @@ def bench_checkpoint() -> dict:
     return {**out, "save": fit(sizes_m, out["save_s"]), "load": fit(sizes_m, out["load_s"])}
 
 
-def bench_dag() -> dict:
+def bench_dag(sizes=(1, 2, 4, 8)) -> dict:
     from trainflow.launch.local import free_port
     from trainflow.stack import EmbeddedStack
 
-    sizes = [1, 2, 4, 8]
+    sizes = list(sizes)
     out = {"nodes": sizes, "wall_s": [], "train_s": [], "overhead_s": []}
     with tempfile.TemporaryDirectory() as d:
         stack = EmbeddedStack(
@@ -307,15 +319,26 @@ def main(argv=None) -> int:
         "dag": bench_dag,
     }
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("parts", nargs="*", choices=[*parts, []], default=list(parts))
+    # No ``choices``: Python 3.11's argparse checks the default list as one value against them.
+    p.add_argument("parts", nargs="*", metavar="part", help=f"any of {', '.join(parts)} (default: every part)")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/scaling.json; the plot beside it")
+    p.add_argument(
+        "--smoke", action="store_true", help="every part with tiny sizes, a fresh result (the suite runs it)"
+    )
     args = p.parse_args(argv)
-    result = json.loads(OUT.read_text()) if OUT.exists() else {"bench": "scaling"}
+    if unknown := [name for name in args.parts if name not in parts]:
+        p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(parts)}")
+    args.parts = args.parts or list(parts)
+    out = args.out or (OUT.with_name("scaling_smoke.json") if args.smoke else OUT)
+    result = json.loads(out.read_text()) if out.exists() and not args.smoke else {"bench": "scaling"}
+    if args.smoke:
+        result["smoke"] = True
     for name in args.parts:
-        result[name] = {**parts[name](), "time": time.time()}
+        result[name] = {**parts[name](**(SMOKE[name] if args.smoke else {})), "time": time.time()}
         result["machine"] = {"cpus": os.cpu_count()}
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(result, indent=1))
-    plot(result, OUT.with_suffix(".png"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
     print(
         json.dumps(
             {

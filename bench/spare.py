@@ -9,8 +9,10 @@ retry delay, a new task process, preflight, agent, zygote, rendezvous); with a s
 spare joins the survivors' next rendezvous round at once.
 
     .venv/bin/python bench/spare.py [--rounds 3]
+    .venv/bin/python bench/spare.py --smoke    # one round of 120 steps: what the test suite runs
 
-Writes bench/results/spare.json; goal: a spare recovers faster than the retry path.
+Writes bench/results/spare.json (spare_smoke.json with ``--smoke``, whose figures are not a
+measurement); goal: a spare recovers faster than the retry path.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ CONF = {
     "batch_size": 16,
     "faults": [{"kind": "kill_node", "rank": 1, "step": 200}],
 }
+# --smoke (one round of both sides): a fifth of the steps, a checkpoint every 20, the kill at step 60.
+SMOKE = {"steps": 120, "checkpoint_interval": 20, "faults": [{"kind": "kill_node", "rank": 1, "step": 60}]}
 
 
 def recovery(client, conf: dict, run_id: str) -> float:
@@ -52,8 +56,15 @@ def recovery(client, conf: dict, run_id: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spare.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/spare.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round of 120 steps, the kill at step 60 (the suite runs it)"
+    )
     args = parser.parse_args()
+    conf = {**CONF, **SMOKE} if args.smoke else CONF
+    if args.smoke:
+        args.rounds = 1
+    args.out = args.out or REPO / "bench" / "results" / ("spare_smoke.json" if args.smoke else "spare.json")
     retry, spare = [], []
     with embedded_stack("tf-spare-bench-", node_slots=3, allow_faults=True) as stack:
         client = stack.client()
@@ -61,10 +72,18 @@ def main() -> int:
         client.unpause(DAG)
         stamp = int(time.time())
         for i in range(args.rounds):
-            retry.append(recovery(client, CONF, f"bench-retry-{stamp}-{i}"))
-            spare.append(recovery(client, {**CONF, "spares": 1}, f"bench-spare-{stamp}-{i}"))
+            retry.append(recovery(client, conf, f"bench-retry-{stamp}-{i}"))
+            spare.append(recovery(client, {**conf, "spares": 1}, f"bench-spare-{stamp}-{i}"))
             print(f"round {i + 1}: retry {retry[-1]:.2f}s, spare {spare[-1]:.2f}s", flush=True)
-    side_by_side("spare", args.out, ("airflow_retry", retry), ("hot_spare", spare), rounds=args.rounds, conf=CONF)
+    side_by_side(
+        "spare",
+        args.out,
+        ("airflow_retry", retry),
+        ("hot_spare", spare),
+        rounds=args.rounds,
+        conf=conf,
+        smoke=args.smoke,
+    )
     return 0
 
 
