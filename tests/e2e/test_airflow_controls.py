@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainflow.checkpoint import manifest
+from trainflow.testing.procs import processes_naming
 from trainflow.timeline import read as read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -44,18 +45,9 @@ def clean(reference):
     return reference(CONF)
 
 
-def _gang_processes(run_dir: str) -> list:
-    """Processes of the run's gang (agents and workers name the run's plan or workspace)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(run_dir in part for part in (p.info["cmdline"] or [])):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+def _gang_processes(run_dir: str) -> list[int]:
+    """Pids of the run's gang (agents and workers name the run's plan or workspace)."""
+    return processes_naming(str(run_dir))
 
 
 def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(client, clean, wait_training):

@@ -27,6 +27,7 @@ import pytest
 
 from trainflow.checkpoint import manifest
 from trainflow.heartbeat import read_all
+from trainflow.testing.procs import processes_naming
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
@@ -43,16 +44,8 @@ FAULTS = ("kill-worker", "stop-worker", "kill-agent", "corrupt-then-kill")
 
 
 def _gang_processes(run_dir: str) -> list[int]:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(run_dir in part for part in (p.info["cmdline"] or [])):
-                found.append(p.pid)
-        except psutil.Error:
-            continue
-    return found
+    """Pids of the run's gang (agents and workers name the run's plan or workspace)."""
+    return processes_naming(str(run_dir))
 
 
 def _corrupt_newest(run_dir: Path) -> int:
