@@ -9,7 +9,7 @@ trigger to the run's first training step (the rank's ``first_step`` timeline eve
 p95, and whether every run completed.
 
     .venv/bin/python bench/concurrency.py
-    .venv/bin/python bench/concurrency.py --smoke    # what the test suite runs
+    .venv/bin/python bench/concurrency.py --smoke    # run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes bench/results/concurrency.json (concurrency_smoke.json with --smoke); goal: every run
 completes, no tenant starves (b's and c's runs do not wait for all of a's), p50/p95 reported.
@@ -99,7 +99,7 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="both modes with 6 runs (a=4, b=1, c=1) of 10 steps on the same pool and quotas (the suite runs it)",
+        help="both modes with 6 runs (a=4, b=1, c=1) of 10 steps on the same pool and quotas (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = parser.parse_args()
     tenants, conf = (SMOKE_TENANTS, SMOKE_CONF) if args.smoke else (TENANTS, CONF)

@@ -21,7 +21,7 @@ again):
   so its goodput is 0 however long it runs.
 
     .venv/bin/python bench/goodput.py [--minutes 10] [--every 60]
-    .venv/bin/python bench/goodput.py --smoke    # about 2 minutes: what the test suite runs
+    .venv/bin/python bench/goodput.py --smoke    # about 2 minutes: run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes bench/results/goodput.json (goodput_smoke.json with --smoke). Goal: trainflow goodput ≥ 95%.
 """
@@ -194,7 +194,7 @@ def main() -> int:
         "--smoke",
         action="store_true",
         help="every side, tiny: a 5 s calibration, 18 s of training, one fault 10 s in, one baseline "
-        "attempt (the suite runs it)",
+        "attempt (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = parser.parse_args()
     calibration, settle, max_faults = {"seconds": 60.0, "settle": 10.0}, 10.0, float("inf")

@@ -6,7 +6,7 @@ one run so drift hits both equally. The baseline does what the DAG does, minus A
 DAG time is trigger → run success over REST on an already-running embedded stack.
 
     .venv/bin/python bench/overhead.py [--rounds 2] [--steps 3000]
-    .venv/bin/python bench/overhead.py --smoke    # one round of 12 steps: what the test suite runs
+    .venv/bin/python bench/overhead.py --smoke    # one round of 12 steps: run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes bench/results/overhead.json (overhead_smoke.json with --smoke) and prints the
 wall-time ratio (goal ≤ 1.10).
@@ -102,7 +102,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/overhead.json")
     parser.add_argument(
-        "--smoke", action="store_true", help="one round of 12 steps, a checkpoint every 2 (the suite runs it)"
+        "--smoke",
+        action="store_true",
+        help="one round of 12 steps, a checkpoint every 2 (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = parser.parse_args()
     if args.smoke:

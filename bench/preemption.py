@@ -16,7 +16,7 @@ checkpoint), stop → nodes back in the pool, time waiting in the queue, re-admi
 gang training again, steps redone, and its final weights against a clean run of the same spec.
 
     .venv/bin/python bench/preemption.py [--rounds 2]
-    .venv/bin/python bench/preemption.py --smoke    # what the test suite runs
+    .venv/bin/python bench/preemption.py --smoke    # run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes bench/results/preemption.json (preemption_smoke.json with --smoke).
 """
@@ -133,7 +133,7 @@ def main() -> int:
         "--smoke",
         action="store_true",
         help=f"one round of each mode, a {SMOKE_LOW_STEPS}-step low run, the priority run past step "
-        f"{SMOKE_ARRIVE_AFTER_STEP} (the suite runs it)",
+        f"{SMOKE_ARRIVE_AFTER_STEP} (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = parser.parse_args()
     low_conf, arrive_after = LOW, ARRIVE_AFTER_STEP

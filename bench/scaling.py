@@ -13,7 +13,7 @@ its fitted growth exponent (cost ∝ size^k from a least-squares line in log-log
   run's wall time from trigger to success minus the slowest node task's training time.
 
     .venv/bin/python bench/scaling.py [sim admission heartbeat checkpoint dag]
-    .venv/bin/python bench/scaling.py --smoke    # every part, tiny sizes: what the test suite runs
+    .venv/bin/python bench/scaling.py --smoke    # every part, tiny sizes: run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes ``bench/results/scaling.json`` (merging with earlier parts) and ``scaling.png``.
 ``--smoke`` runs every part's code with three tiny sizes (two node-task counts for ``dag``;
@@ -323,7 +323,9 @@ def main(argv=None) -> int:
     p.add_argument("parts", nargs="*", metavar="part", help=f"any of {', '.join(parts)} (default: every part)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/scaling.json; the plot beside it")
     p.add_argument(
-        "--smoke", action="store_true", help="every part with tiny sizes, a fresh result (the suite runs it)"
+        "--smoke",
+        action="store_true",
+        help="every part with tiny sizes, a fresh result (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = p.parse_args(argv)
     if unknown := [name for name in args.parts if name not in parts]:

@@ -9,7 +9,7 @@ retry delay, a new task process, preflight, agent, zygote, rendezvous); with a s
 spare joins the survivors' next rendezvous round at once.
 
     .venv/bin/python bench/spare.py [--rounds 3]
-    .venv/bin/python bench/spare.py --smoke    # one round of 120 steps: what the test suite runs
+    .venv/bin/python bench/spare.py --smoke    # one round of 120 steps: run by TRAINFLOW_LONG_SMOKES=1 scripts/test
 
 Writes bench/results/spare.json (spare_smoke.json with ``--smoke``, whose figures are not a
 measurement); goal: a spare recovers faster than the retry path.
@@ -58,7 +58,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/spare.json")
     parser.add_argument(
-        "--smoke", action="store_true", help="one round of 120 steps, the kill at step 60 (the suite runs it)"
+        "--smoke",
+        action="store_true",
+        help="one round of 120 steps, the kill at step 60 (run by TRAINFLOW_LONG_SMOKES=1 scripts/test)",
     )
     args = parser.parse_args()
     conf = {**CONF, **SMOKE} if args.smoke else CONF
