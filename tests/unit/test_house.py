@@ -4,6 +4,7 @@ building with no broken link, and prose for users rather than a lab notebook."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -71,3 +72,35 @@ def test_prose_carries_no_development_history():
         if m
     ]
     assert not found, "history belongs in git log:\n" + "\n".join(found)
+
+
+def test_the_airflow_side_of_a_run_loads_no_torch(tmp_path):
+    """Provision, a node task's preflight and the watch run in Airflow's task processes,
+    once per run and per try: none of them needs torch, which costs seconds of CPU to load
+    and hundreds of MiB per process (only the agents, the workers and evaluate do)."""
+    code = f"""
+import sys
+from pathlib import Path
+import operators.provision, operators.shard_train, operators.checkpoint_sync, sensors.heartbeat
+from trainflow import preflight
+from trainflow.launch.local import prepare
+from operators._common import load_plan
+from trainflow.spec import TrainingSpec
+
+plan = load_plan(prepare(TrainingSpec(), Path({str(tmp_path)!r}) / "run").parent)
+check = preflight.rendezvous_reachable(plan["rendezvous"]["endpoint"], backend=plan["rendezvous"]["backend"])
+assert check.ok, check
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print(loaded[:5])
+sys.exit(1 if loaded else 0)
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "AIRFLOW_HOME": str(tmp_path / "airflow"),
+        "TRAINFLOW_HOME": str(tmp_path / "trainflow"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, f"torch loaded: {result.stdout}{result.stderr[-2000:]}"

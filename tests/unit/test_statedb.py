@@ -28,10 +28,12 @@ def test_the_switch(monkeypatch, tmp_path):
 
 
 def test_rendezvous_store_and_backend(state_target):
+    from trainflow.launch import rdzv_store  # loads torch: only where a store is used
+
     db = state_target
     rdzv_db.ensure_schema(db)
-    store = rdzv_db.DBStore(db, "run-a", timeout=timedelta(seconds=1))
-    other = rdzv_db.DBStore(db, "run-b", timeout=timedelta(seconds=1))
+    store = rdzv_store.DBStore(db, "run-a", timeout=timedelta(seconds=1))
+    other = rdzv_store.DBStore(db, "run-b", timeout=timedelta(seconds=1))
     store.set("k", b"\x00\xffbinary")
     assert store.get("k") == b"\x00\xffbinary"
     assert not other.check(["k"])  # rendezvous ids are isolated
@@ -43,7 +45,7 @@ def test_rendezvous_store_and_backend(state_target):
     with pytest.raises(Exception, match=r"keys \['missing'\] not set within 0.2s"):
         store.wait(["missing"], timedelta(seconds=0.2))
     assert store.delete_key("a") and not store.delete_key("a")
-    backend = rdzv_db.DBRendezvousBackend(db, "run-a")
+    backend = rdzv_store.DBRendezvousBackend(db, "run-a")
     assert backend.get_state() is None
     state, token, written = backend.set_state(b"s1")
     assert (state, written) == (b"s1", True)
@@ -55,8 +57,10 @@ def test_rendezvous_store_and_backend(state_target):
 
 
 def test_concurrent_adds_are_atomic(state_target):
+    from trainflow.launch import rdzv_store  # loads torch: only where a store is used
+
     rdzv_db.ensure_schema(state_target)
-    stores = [rdzv_db.DBStore(state_target, "r") for _ in range(4)]
+    stores = [rdzv_store.DBStore(state_target, "r") for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda s: [s.add("count", 1) for _ in range(25)], stores))
     assert stores[0].get("count") == b"100"
@@ -131,8 +135,7 @@ def test_a_gang_opening_a_new_database_together_never_sees_it_locked(tmp_path):
 
     # The children fork from a forkserver that loaded what they run once: forked straight
     # from the threaded pytest worker, a child could inherit a lock another thread held and
-    # never answer (seen on a loaded machine), and importing torch (which the rendezvous
-    # module loads) in each of 180 children was slow.
+    # never answer (seen on a loaded machine).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["trainflow.launch.rdzv_db", "trainflow.statedb"])
     errors = []
