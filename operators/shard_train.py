@@ -148,6 +148,8 @@ class ShardTrainOperator(BaseOperator):
             attempt.end("replaced", failure=f"node {node} replaced: {rc}")
             raise HeartbeatTimeoutError(f"node {node} killed for replacement: {rc}")
         if rc != 0:
+            if rc < 0:
+                attempt.agent_ended_by_signal(rc)
             attempt.end(f"exit {rc}", failure=f"node {node} agent exited with code {rc}")
             raise LaunchError(f"node {node} agent exited with code {rc}")
         attempt.end("succeeded")

@@ -40,7 +40,7 @@ def fault_records(events: list[dict]) -> list[dict]:
     detected, a user error, a straggler excluded, a worker that exited while the gang
     trained (``worker_exited``, observed by its node agent: a signal from outside, a crash,
     an OOM kill), a node task lost without a word (``node_task_lost``, found by its next
-    try), a user's control that ended the run (``member_ended``) or a preemption. Exits seen while a fault is open belong to it (the first is its cause:
+    try), a node agent killed by a signal (``agent_exited``, seen by its node task), a user's control that ended the run (``member_ended``) or a preemption. Exits seen while a fault is open belong to it (the first is its cause:
     the other ranks' exits follow from it); an exit with no open fault opens one
     (``kind: worker_exit``, ``source: outside``)."""
     out: list[dict] = []
@@ -73,10 +73,14 @@ def fault_records(events: list[dict]) -> list[dict]:
                 }
             )
             continue
-        if e["event"] == "node_task_lost":
+        if e["event"] in ("node_task_lost", "agent_exited"):
             # A node task's try died without a word (SIGKILL from outside, an OOM kill, its
-            # host gone), found by the next try: the cause of the restart it set off.
-            cause = f"node {e.get('node')}'s task (try {e.get('try')} on {e.get('host')}) was lost"
+            # host gone), found by the next try; or a node's agent died of a signal, seen by
+            # its node task: the cause of the restart it set off.
+            if e["event"] == "agent_exited":
+                cause = f"node {e.get('node')}'s agent ended by {e.get('signal')}"
+            else:
+                cause = f"node {e.get('node')}'s task (try {e.get('try')} on {e.get('host')}) was lost"
             open_ = [rec for rec in out if rec["restarts"] and "resumed_time" not in rec]
             if open_:
                 rec = open_[-1]

@@ -165,18 +165,26 @@ def read_all(directory: Path) -> dict[int, dict]:
 
 
 def node_starts(run_dir: Path) -> dict[int, float]:
-    """node → when its current agent started (``nodes/node-<n>.json``, written by every
-    try of the node's task as its agent starts); unreadable records are skipped."""
+    """node → when its ranks last started over: the newest of its agent's start
+    (``nodes/node-<n>.json``: ``started``), that agent's last worker restart (``restarted``:
+    a failure, or a new round to admit a node), and the start and end of its task's latest
+    try (``nodes/task-<n>.json``: ``began``, before the preflight and the agent;
+    ``ended_at``, after which Airflow retries it). Unreadable records are skipped."""
     out: dict[int, float] = {}
     d = Path(run_dir) / "nodes"
     if not d.is_dir():
         return out
-    for p in d.glob("node-*.json"):
+    for p in (*d.glob("node-*.json"), *d.glob("task-*.json")):
         try:
             record = json.loads(p.read_text())
-            out[int(record["node"])] = float(record["started"])
+            node = int(record["node"]) if "node" in record else int(p.stem.rpartition("-")[2])
+            times = [
+                float(record[k]) for k in ("started", "restarted", "began", "ended_at") if record.get(k) is not None
+            ]
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if times:
+            out[node] = max(out.get(node, 0.0), *times)
     return out
 
 

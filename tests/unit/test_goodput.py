@@ -172,3 +172,16 @@ def test_a_lost_node_task_a_users_control_and_a_preemption_are_faults_too():
     )
     assert (stall["kind"], stall["step"], stall["steps_lost"], stall["recovery_s"]) == ("stall_detected", 102, 1, 20.0)
     assert alone["kind"] == "node_lost" and alone["node"] == 2 and alone["restarts"]
+
+
+def test_an_agent_killed_from_outside_is_the_cause_not_the_exits_that_follow():
+    # node 1's agent is SIGKILLed: its worker dies with it unobserved, rank 0's collective
+    # breaks (exit code 1), and node 1's task sees its agent's signal — in either order
+    for order in ((0, 1), (1, 0)):
+        pair = [
+            {"event": "worker_exited", "rank": 0, "signal": None, "exitcode": 1, "step": 117, "time": 10.0},
+            {"event": "agent_exited", "node": 1, "host": "vm", "signal": "SIGKILL", "time": 10.2},
+        ]
+        (rec,) = fault_records([pair[order[0]], pair[order[1]], {"event": "resumed", "step": 100, "time": 16.0}])
+        assert (rec["kind"], rec["source"], rec["cause"]) == ("node_lost", "outside", "node 1's agent ended by SIGKILL")
+        assert rec["restarts"] and rec["recovery_s"] == pytest.approx(16.0 - pair[order[0]]["time"])

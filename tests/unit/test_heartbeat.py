@@ -239,7 +239,7 @@ def test_a_rank_whose_node_task_restarted_since_its_last_progress_gets_the_start
     assert c.verdict == Verdict.STALLED and c.ranks == (1,)
 
 
-def test_node_starts_reads_each_nodes_current_agent(tmp_path):
+def test_node_starts_takes_the_newest_of_agent_start_worker_restart_and_task_try(tmp_path):
     from trainflow.heartbeat import node_starts
     from trainflow.workspace import write_json_atomic
 
@@ -250,6 +250,19 @@ def test_node_starts_reads_each_nodes_current_agent(tmp_path):
     (tmp_path / "nodes" / "node-0002.json").write_text("{not json")
     write_json_atomic(tmp_path / "nodes" / "task-0000.json", {"host": "vm", "try": 2})
     assert node_starts(tmp_path) == {0: 12.5}
+    # the agent restarted its workers (a failure, or a round admitting a node)
+    write_json_atomic(
+        tmp_path / "nodes" / "node-0000.json", {"node": 0, "state": "running", "started": 12.5, "restarted": 20.0}
+    )
+    assert node_starts(tmp_path) == {0: 20.0}
+    # node 1's task began a new try (preflight, no agent yet), then ended it (a retry follows)
+    write_json_atomic(tmp_path / "nodes" / "task-0001.json", {"host": "vm", "try": 2, "began": 30.0})
+    assert node_starts(tmp_path) == {0: 20.0, 1: 30.0}
+    write_json_atomic(
+        tmp_path / "nodes" / "task-0001.json",
+        {"host": "vm", "try": 2, "began": 30.0, "ended": "exit 1", "ended_at": 31},
+    )
+    assert node_starts(tmp_path) == {0: 20.0, 1: 31.0}
 
 
 # -- the no-hang invariant ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -102,8 +103,8 @@ class NodeTry:
                 )
                 record(self.run_dir, "node_task_lost", node=self.node, host=last["host"], **{"try": last["try"]})
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.marker, {**self._marker_fields(), "pid": os.getpid()})
         self.started = time.time()
+        write_json_atomic(self.marker, {**self._marker_fields(), "pid": os.getpid(), "began": self.started})
         try:
             return preflight.run(self.plan, self.node, host=self.host, registry=self.hosts, policy=self.policy)
         except ChipUnavailableError as exc:
@@ -136,7 +137,10 @@ class NodeTry:
 
     def end(self, outcome: str, *, failure: str | None = None) -> None:
         """Mark the try ended; a ``failure`` is charged to this host (which may cordon it)."""
-        write_json_atomic(self.marker, {**self._marker_fields(), "ended": outcome[:200]})
+        write_json_atomic(
+            self.marker,
+            {**self._marker_fields(), "ended": outcome[:200], "began": self.started, "ended_at": time.time()},
+        )
         if failure is None:
             return
         before = self.hosts.cordoned(self.host)
@@ -146,6 +150,17 @@ class NodeTry:
         if cordon is not None and before is None:
             log.warning("host %s is cordoned: %s", self.host, cordon.reason)
             record(self.run_dir, "host_cordoned", host=self.host, node=self.node, reason=cordon.reason)
+
+    def agent_ended_by_signal(self, code: int) -> None:
+        """Record (``agent_exited``) that this try's agent died of a signal it did not ask for
+        (``code``: its negative exit status) — trainflow stops an agent through its node
+        task, never alone — so the fault is on the run's books with its cause: the agent's
+        workers die with it unobserved, and the exits the survivors see only follow from it."""
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        record(self.run_dir, "agent_exited", node=self.node, host=self.host, signal=name)
 
     def replacement_requested(self) -> str | None:
         """The heartbeat watch's request to replace this node, if one was made during this

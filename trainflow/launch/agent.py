@@ -205,6 +205,40 @@ def observe_worker_exits(run_dir: Path, node: int, no_retry: frozenset[int] = fr
     return True
 
 
+def note_restarts(status_file: Path) -> bool:
+    """Write the time into this node's status file (``restarted``) whenever the agent stops
+    its workers to form a new round: after a worker failure, or to admit a node that waits
+    in the rendezvous. The heartbeat watch gives the node's ranks the startup window from
+    then (``heartbeat.node_starts``): the gang is recovering, not hung, while the round
+    waits for a replacement node. The restart method is wrapped in this process only; if
+    this torch lacks it, nothing changes and a warning says so.
+
+    Returns:
+        Whether restarts are noted.
+    """
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    restart = getattr(SimpleElasticAgent, "_restart_workers", None)
+    if not callable(restart):
+        log.warning(
+            "torch %s: SimpleElasticAgent._restart_workers is gone; a gang waiting for a "
+            "replacement node may be judged hung",
+            _torch_version(),
+        )
+        return False
+
+    def noted(self, worker_group):
+        try:
+            status = json.loads(status_file.read_text())
+            write_json_atomic(status_file, {**status, "restarted": time.time()})
+        except (OSError, ValueError):
+            pass  # the record is advisory: the restart goes on
+        return restart(self, worker_group)
+
+    SimpleElasticAgent._restart_workers = noted
+    return True
+
+
 def _gang_nonce(worker_group) -> str:
     """A token drawn once per gang and shared through the round's store: a relaunched gang
     (new agents, a new store, rounds counted from 0 again) never takes an old gang's name.
@@ -504,6 +538,7 @@ def run(plan_path: Path, node: int) -> int:
         fast_rendezvous_polling(poll_s)
     cheap_rendezvous_records()
     observe_worker_exits(Path(plan["run_dir"]), node, no_retry=frozenset(plan["spec"].get("exit_codes_no_retry") or ()))
+    note_restarts(status_file)
     if plan["rendezvous"]["backend"] == "trainflow-db":
         from trainflow.launch import rdzv_db
 

@@ -21,7 +21,7 @@ from trainflow.bounds import clip
 from trainflow.checkpoint.manifest import list_checkpoints, read_manifest, verify
 from trainflow.errors import SpecError
 from trainflow.goodput import summarize
-from trainflow.heartbeat import HeartbeatPolicy, RankState, Verdict, classify, current_gang, read_all
+from trainflow.heartbeat import HeartbeatPolicy, RankState, Verdict, classify, current_gang, node_starts, read_all
 from trainflow.remediation import aborted
 from trainflow.timeline import read as timeline_read
 from trainflow.timeline import read_lines
@@ -218,11 +218,8 @@ def _state(
         checkpoint_timeout=spec.get("checkpoint_timeout"),
         stall_timeout=spec.get("stall_timeout"),
     )
-    restarts = {
-        int(n["node"]): float(n["started"]) for n in nodes if n.get("node") is not None and n.get("started") is not None
-    }
     verdict = classify(
-        beats, now=now, world_size=world_size, started_at=started_at, policy=policy, node_started=restarts
+        beats, now=now, world_size=world_size, started_at=started_at, policy=policy, node_started=node_starts(run_dir)
     )
     if verdict.verdict in (Verdict.STALLED, Verdict.STARTUP_TIMEOUT):
         return RunState.STALLED, verdict.message
