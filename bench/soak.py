@@ -27,9 +27,9 @@ promises (no task log older than the last sweep's cutoff, no more rotated parts 
     .venv/bin/python bench/soak.py --minutes 10
     .venv/bin/python bench/soak.py --smoke      # what the test suite runs
 
-Writes bench/results/soak.json and soak.png. ``--smoke`` is a short soak (200-step runs,
-every fault kind of the rotation once, one whole-stack restart, the triggerer killed once,
-retention every 40 s; samples every 5 s) whose result ``tests/e2e/test_soak.py`` checks
+Writes bench/results/soak.json and soak.png. ``--smoke`` is a short soak (one 200-step run
+per fault kind of the rotation, one whole-stack restart, the triggerer killed once,
+retention every 30 s, three sweeps at least; samples every 5 s) whose result ``tests/e2e/test_soak.py`` checks
 with what a short run can show: every run healed to the clean weights, every fault kind
 ran, every event happened, retention's invariants held. The growth bounds (quarter
 means) need the long run: the smoke reports them and ``healthy`` ignores them.
@@ -88,6 +88,7 @@ SAMPLE_S = 15.0
 # The smoke: runs half as long, each fault at the same fraction of the run.
 SMOKE_STEPS = 200
 SMOKE_SAMPLE_S = 5.0
+SMOKE_SWEEPS = 3
 
 
 def scaled(faults: list[dict], steps: int) -> list[dict]:
@@ -302,7 +303,9 @@ def soak(
     log=print,
 ) -> dict:
     """Run the soak for ``minutes`` and return its result (runs, bounds, events, samples).
-    ``smoke``: 200-step runs with the faults scaled to them, samples every 5 s."""
+    ``smoke``: one 200-step run per fault kind (the faults scaled to them), samples every
+    5 s; it lasts until those runs ended and the stack's events happened, ``minutes`` times
+    the same fractions placing the triggerer's kill and the restart."""
     conf = {**CONF, "steps": SMOKE_STEPS} if smoke else dict(CONF)
     faults_rotation = [scaled(f, conf["steps"]) for f in FAULTS]
     import psycopg2
@@ -378,8 +381,18 @@ def soak(
         inflight: dict[str, dict] = {}
         n = 0
         # The soak lasts ``minutes`` and at least until every fault kind of the rotation has
-        # been submitted once (a slow machine fits fewer runs in the time).
-        while (time.time() < end or inflight or n < len(FAULTS)) and time.time() < end + DRAIN_S:
+        # been submitted once (a slow machine fits fewer runs in the time). The smoke runs
+        # each fault kind once, no more, and lasts until its stack events (the triggerer's
+        # kill, the restart, SMOKE_SWEEPS retention sweeps) have happened too.
+
+        def smoke_pending() -> bool:
+            sweeps = sum(e["what"] == "retention" for e in events)
+            return smoke and not (restarted and killed and sweeps >= SMOKE_SWEEPS)
+
+        def more_runs(now: float) -> bool:
+            return n < len(FAULTS) or (now < end and not smoke)
+
+        while (more_runs(time.time()) or inflight or smoke_pending()) and time.time() < end + DRAIN_S:
             now = time.time()
             for tenant in TENANTS:  # keep one run per tenant in flight until the end
                 run = inflight.get(tenant)
@@ -401,7 +414,7 @@ def soak(
                         )
                     log(f"[{(time.time() - t0) / 60:5.1f} min] {run['run_id']} {state} fault={run['fault']}")
                     del inflight[tenant]
-                if tenant not in inflight and (now < end or n < len(FAULTS)):
+                if tenant not in inflight and more_runs(now):
                     faults = faults_rotation[n % len(FAULTS)]
                     run_id = f"soak-{tenant}-{n:03d}"
                     n += 1
@@ -540,11 +553,11 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="a short soak (2 minutes of submissions, 200-step runs, retention every 40 s)",
+        help="a short soak (one 200-step run per fault kind, retention every 30 s)",
     )
     args = parser.parse_args()
     if args.smoke:
-        args.minutes, args.retention_every = min(args.minutes, 2.0), min(args.retention_every, 40.0)
+        args.minutes, args.retention_every = min(args.minutes, 1.0), min(args.retention_every, 30.0)
     out = args.out or REPO / "bench" / "results" / ("soak_smoke.json" if args.smoke else "soak.json")
     result = soak(
         args.minutes,

@@ -1,12 +1,11 @@
 """The soak's smoke run in the suite (``bench/soak.py --smoke``, the benchmark's own code).
 
-Three tenants keep 2-node digits runs in flight on a real embedded stack (Airflow on
-PostgreSQL, a pool of 4, so one run waits most of the time), each run with a fault of the
-rotation; the triggerer is killed with SIGKILL and the stack's supervisor starts it again;
-every Airflow component is stopped and started again; retention sweeps every 40 s with
+Three tenants run one 2-node digits run per fault kind of the rotation on a real embedded
+stack (Airflow on PostgreSQL, a pool of 4, so one run waits most of the time); the triggerer is killed with SIGKILL and the stack's supervisor starts it again;
+every Airflow component is stopped and started again; retention sweeps every 30 s with
 short bounds. Asserted, as far as a short run can show it: every run succeeded with a clean
-run's weights, every fault kind of the rotation ran and healed with bounded lost work, every
-event happened, and retention's invariants held (no task log older than the last sweep's
+run's weights, every fault kind of the rotation ran once and healed with bounded lost work,
+every event happened, and retention's invariants held (no task log older than the last sweep's
 cutoff, no more rotated parts than kept, the run history capped). The growth bounds of the
 long soak (quarter means of RSS, fds, rows and disk) need its ten minutes: ``bench/soak.py
 --minutes 10`` measures them, and docs/benchmarks/soak.md gives the figures.
@@ -23,11 +22,11 @@ pytestmark = pytest.mark.e2e
 
 def test_soak_smoke_heals_every_fault_kind_and_keeps_retentions_invariants(tmp_path, soak_bench):
     bench = soak_bench
-    result = bench.soak(2, retention_every=40.0, smoke=True, log=print)
+    result = bench.soak(1, retention_every=30.0, smoke=True, log=print)
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))  # kept for a failure's post-mortem
     runs = result["runs"]
     assert runs["failed"] == [], runs["per_run"]
-    assert runs["weights_equal_clean"] == runs["succeeded"] >= len(bench.FAULTS)
+    assert runs["weights_equal_clean"] == runs["succeeded"] == len(bench.FAULTS)
     healed = {r["fault"] for r in runs["per_run"] if r.get("state") == "success"}
     assert healed >= {f[0]["kind"] if f else None for f in bench.FAULTS}, runs["per_run"]
     interval = result["conf"]["checkpoint_interval"]
