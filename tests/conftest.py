@@ -8,6 +8,13 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# The test stacks never see a DAG file change, and the suite is CPU-bound on two cores: an
+# idle embedded stack costs 13.5 % of a core (measured), 10.5 % re-parsing the DAG files
+# every 5 minutes instead of 30 s, 7.2 % with the scheduler idling 0.5 s instead of 0.25 s
+# between empty loops (a task transition waits up to 0.25 s longer). Two to four stacks are
+# up through the e2e phase.
+os.environ.setdefault("AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL", "300")
+os.environ.setdefault("AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME", "0.5")
 
 import pytest  # noqa: E402
 
