@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 # A test's tier is its folder's (tests/integration, tests/e2e), unless it is marked
 # explicitly, or (outside those folders) it uses a fixture that needs a service.
 TIERS = ("unit", "integration", "e2e", "browser")
-SERVICE_FIXTURES = frozenset({"pg_url", "s3_server"})
+SERVICE_FIXTURES = frozenset({"pg_url", "postgres", "s3_server"})
 
 
 def _tier_of(item) -> str:
@@ -195,6 +195,14 @@ def s3_server(tmp_path_factory):
 
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture
+def postgres():
+    """The machine's PostgreSQL server (5432, trust) answers: the test skips, saying why,
+    where it does not (on CI it fails: CI runs every tier)."""
+    need_service("PostgreSQL", "127.0.0.1", 5432)
+    return PG_ADMIN
 
 
 @pytest.fixture

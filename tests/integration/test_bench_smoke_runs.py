@@ -53,7 +53,7 @@ def test_preemption_smoke_times_the_priority_run_both_ways_and_the_preempted_run
 
 @pytest.mark.e2e
 @pytest.mark.long_smoke
-def test_concurrency_smoke_completes_every_run_first_come_first_served_and_with_fair_share(tmp_path):
+def test_concurrency_smoke_completes_every_run_first_come_first_served_and_with_fair_share(tmp_path, postgres):
     result = _smoke("concurrency", tmp_path / "concurrency.json", timeout=900)
     for mode in ("fifo", "fairshare"):
         wave = result[mode]
