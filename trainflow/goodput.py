@@ -58,6 +58,8 @@ def fault_records(events: list[dict]) -> list[dict]:
                     if rec["kind"] == "worker_exit":
                         rec["rank"] = e.get("rank")
                 rec.setdefault("cause", exit_cause(e))
+                if rec.get("step") is None:  # opened by an event that knew no step (a dead agent)
+                    rec["step"] = e.get("step")
                 rec["exits"] = rec.get("exits", 0) + 1
                 continue
             out.append(

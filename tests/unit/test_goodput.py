@@ -185,3 +185,4 @@ def test_an_agent_killed_from_outside_is_the_cause_not_the_exits_that_follow():
         (rec,) = fault_records([pair[order[0]], pair[order[1]], {"event": "resumed", "step": 100, "time": 16.0}])
         assert (rec["kind"], rec["source"], rec["cause"]) == ("node_lost", "outside", "node 1's agent ended by SIGKILL")
         assert rec["restarts"] and rec["recovery_s"] == pytest.approx(16.0 - pair[order[0]]["time"])
+        assert (rec["step"], rec["steps_lost"]) == (117, 16)  # the step the exit saw, either order
