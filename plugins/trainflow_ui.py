@@ -88,6 +88,25 @@ def _cordoned(host: str):
         return None
 
 
+def _task_states(dag_id: str, run_id: str) -> dict[int, str | None]:
+    """Airflow's state of each ``shard_train`` task instance of the run (map index → state),
+    read from the metadata database; {} where it cannot be read (the column stays empty)."""
+    try:
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            rows = session.execute(
+                select(TaskInstance.map_index, TaskInstance.state).where(
+                    TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id, TaskInstance.task_id == "shard_train"
+                )
+            ).all()
+    except Exception:  # noqa: BLE001 - the metadata database unreachable: the page still shows the run
+        return {}
+    return {int(index): (None if state is None else str(getattr(state, "value", state))) for index, state in rows}
+
+
 def create_app():
     """The FastAPI app of the training page (API and HTML)."""
     from typing import Annotated
@@ -170,8 +189,8 @@ def create_app():
         spec: dict[str, Any]
         ranks: list[RankHealth]
         node_agents: list[dict[str, Any]] = Field(
-            description="Per node: agent state, host, try within the run's retry budget, tries left, the "
-            "host's cordon, start, end, error."
+            description="Per node: agent state, its task's Airflow state, host, try within the run's retry "
+            "budget, tries left, the host's cordon, start, end, error."
         )
         loss_curve: list[LossPoint] = Field(description="Rank 0's loss, at most once per heartbeat interval.")
         evaluation: dict[str, Any] | None = Field(None, description="metrics.json of the evaluate task.")
@@ -266,7 +285,7 @@ def create_app():
         run_id: Annotated[str, Path(pattern=RUN_ID_PATTERN)],
     ) -> dict:
         try:
-            return data.run_detail(default_root(), tenant, dag_id, run_id, cordoned=_cordoned)
+            return data.run_detail(default_root(), tenant, dag_id, run_id, cordoned=_cordoned, task_states=_task_states)
         except data.RunNotFoundError as exc:
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
 
@@ -400,7 +419,7 @@ function detailView(d) {
   const ranks = d.ranks.map(r => `<tr><td>${r.rank}</td><td>${esc(r.node)}</td><td><span class="badge ${r.healthy ? "completed" : "failed"}">${r.healthy ? "healthy" : "unhealthy"}</span></td>
     <td>${esc(r.state)}${r.in_gang ? "" : " (left gang)"}</td><td>${esc(r.step)}</td><td>${num(r.loss, 4)}</td><td>${num(r.samples_per_s)}</td>
     <td>${age(r.progress_age_s)}</td><td>${age(r.alive_age_s)}</td><td>${esc(r.phase)}</td></tr>`).join("");
-  const nodes = d.node_agents.map(n => `<tr><td>${n.node}</td><td>${esc(n.state)}</td><td>${esc(n.host || "")}</td>
+  const nodes = d.node_agents.map(n => `<tr><td>${n.node}</td><td>${esc(n.state)}</td><td>${esc(n.task_state || "")}</td><td>${esc(n.host || "")}</td>
     <td>${esc(n.try ?? "")}</td><td>${esc(n.tries_left ?? "")}</td><td class="${n.cordoned ? "failed" : ""}">${n.cordoned ? "cordoned: " + esc(n.cordoned.reason) : ""}</td>
     <td>${when(n.started)}</td><td>${when(n.ended)}</td><td>${esc(n.error || "")}</td></tr>`).join("");
   const ckpts = d.checkpoints.map(c => `<tr><td>${c.step}</td><td>${num(c.bytes)}</td>
@@ -426,7 +445,7 @@ function detailView(d) {
    <div class="panel"><h2>Evaluation</h2>${evalHtml}</div>
   </div>
   <h2>Ranks</h2><table id="ranks"><thead><tr><th>Rank</th><th>Node</th><th>Health</th><th>State</th><th>Step</th><th>Loss</th><th>Samples/s</th><th>Progress</th><th>Alive</th><th>Phase</th></tr></thead><tbody>${ranks || `<tr><td colspan="10" class="muted">No heartbeats yet.</td></tr>`}</tbody></table>
-  <h2>Node agents</h2><table id="nodes"><thead><tr><th>Node</th><th>State</th><th>Host</th><th>Try</th><th>Tries left</th><th>Cordon</th><th>Started</th><th>Ended</th><th>Error</th></tr></thead><tbody>${nodes}</tbody></table>
+  <h2>Node agents</h2><table id="nodes"><thead><tr><th>Node</th><th>Agent</th><th>Airflow task</th><th>Host</th><th>Try</th><th>Tries left</th><th>Cordon</th><th>Started</th><th>Ended</th><th>Error</th></tr></thead><tbody>${nodes}</tbody></table>
   <h2>Checkpoints</h2><table><thead><tr><th>Step</th><th>Bytes</th><th>Verified</th><th>Path</th></tr></thead><tbody>${ckpts || `<tr><td colspan="4" class="muted">None yet.</td></tr>`}</tbody></table>
   ${errors ? `<h2>Errors</h2><table><thead><tr><th>Rank</th><th>Kind</th><th>Type</th><th>Message</th></tr></thead><tbody>${errors}</tbody></table>` : ""}
   <h2>Faults <span class="muted">goodput ${pctOf(d.goodput)}, ${secs(d.recovery_s)} recovering, ${esc(d.steps_lost ?? 0)} steps redone</span></h2>

@@ -58,6 +58,11 @@ def test_the_finished_run_through_the_api(stack, finished):
     assert status == 200, body
     d = json.loads(body)
     assert [r["state"] for r in d["ranks"]] == ["done", "done"]
+    agents = d["node_agents"]
+    assert [(n["node"], n["state"], n["task_state"]) for n in agents] == [
+        (0, "succeeded", "success"),
+        (1, "succeeded", "success"),
+    ]
     assert d["checkpoints"] and all(c["verified"] for c in d["checkpoints"])
     assert d["checkpoints"][0]["step"] == 60 and d["loss_curve"][-1]["step"] == 60
     assert "accuracy" in d["evaluation"]["metrics"]
@@ -133,6 +138,15 @@ def test_in_a_browser_sign_in_see_a_live_and_a_finished_run(stack, client, finis
         300,
         "the live run's two healthy, training ranks",
     )
+    # Per node, as a person reads it: the agent's state, its task's state in Airflow, its host,
+    # the try within the run's retry budget and the tries left, then the host's cordon (a
+    # shared host's: not asserted).
+    nodes = browser.execute_script(
+        "return [...document.querySelectorAll('#nodes tbody tr')].map(r => [...r.cells].map(c => c.textContent.trim()))"
+    )
+    assert [n[0] for n in nodes] == ["0", "1"], nodes
+    for _, agent, task, host, try_, left, *_ in nodes:
+        assert (agent, task) == ("running", "running") and host and try_ == "1" and left.isdigit(), nodes
     first = min(live_steps(browser) or [0])
     wait_for(
         browser, lambda d: min(live_steps(d) or [0]) > first, 60, "the live run's steps advancing without a reload"

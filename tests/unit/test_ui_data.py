@@ -349,7 +349,7 @@ def test_a_run_before_provision_has_no_allocation_or_goodput(tmp_path):
     assert d["faults"] == [] and d["membership"] == [] and d["recovery_s"] is None
 
 
-def test_each_node_shows_its_host_try_tries_left_and_cordon(tmp_path):
+def test_each_node_shows_its_task_state_host_try_tries_left_and_cordon(tmp_path):
     """What the node task's try marker (``cluster.nodes.NodeTry``) records, and the host
     registry's cordon through the lookup the page is given."""
     from trainflow.cluster.hosts import Cordon
@@ -358,11 +358,23 @@ def test_each_node_shows_its_host_try_tries_left_and_cordon(tmp_path):
     write_json_atomic(run_dir / "nodes" / "task-0000.json", {"host": "h0", "try": 1, "run_try": 1, "tries": 3})
     write_json_atomic(run_dir / "nodes" / "task-0001.json", {"host": "h1", "try": 7, "run_try": 2, "tries": 3})
     cordons = {"h1": Cordon("h1", 5.0, "3 failures in 600 s")}
-    d = run_detail(tmp_path, "default", "train_digits", "manual__1", cordoned=cordons.get)
+    asked = []
+
+    def task_states(dag_id, run_id):  # Airflow's, as the page reads them: map index → state
+        asked.append((dag_id, run_id))
+        return {0: "running", 1: "up_for_retry"}
+
+    d = run_detail(tmp_path, "default", "train_digits", "manual__1", cordoned=cordons.get, task_states=task_states)
+    assert asked == [("train_digits", "manual__1")]
     rows = {n["node"]: n for n in d["node_agents"]}
     assert (rows[0]["host"], rows[0]["try"], rows[0]["tries_left"], rows[0]["cordoned"]) == ("h0", 1, 2, None)
     assert (rows[1]["host"], rows[1]["try"], rows[1]["tries_left"]) == ("h1", 2, 1)
     assert rows[1]["cordoned"] == {"since": 5.0, "reason": "3 failures in 600 s"}
+    assert (rows[0]["task_state"], rows[1]["task_state"]) == ("running", "up_for_retry")
+    # without Airflow's states (no lookup given, or it found none) the column is empty
+    assert {n["task_state"] for n in run_detail(tmp_path, "default", "train_digits", "manual__1")["node_agents"]} == {
+        None
+    }
 
 
 def test_a_gang_that_does_not_train_reads_zero_throughput(tmp_path):

@@ -130,15 +130,22 @@ def _workspace(root: Path, tenant: str, dag_id: str, run_id: str) -> Workspace:
     return Workspace(Path(root), tenant, dag_id, run_id)
 
 
-def _nodes(run_dir: Path, cordoned: Callable[[str], Any] | None = None) -> list[dict]:
+def _nodes(
+    run_dir: Path,
+    cordoned: Callable[[str], Any] | None = None,
+    task_states: Callable[[], dict[int, str | None]] | None = None,
+) -> list[dict]:
     """Each node agent's status, with the host its current task try runs on, the try within
-    the run's retry budget and the tries the budget allows, and the host's cordon (through
-    ``cordoned(host)``, the host registry's lookup, where given)."""
+    the run's retry budget and the tries the budget allows, the host's cordon (through
+    ``cordoned(host)``, the host registry's lookup, where given) and the node task's Airflow
+    state (``task_states()``: map index → state, where given)."""
+    tasks = task_states() if task_states is not None else {}
     out = []
     for p in sorted((run_dir / "nodes").glob("node-*.json")):
         status = _json(p)
         if isinstance(status, dict) and "node" in status:
             row = {k: status.get(k) for k in ("node", "state", "started", "ended", "error")}
+            row["task_state"] = tasks.get(int(status["node"]))
             task = _json_dict(run_dir / "nodes" / f"task-{int(status['node']):04d}.json")
             row["host"] = task.get("host")
             row["try"] = task.get("run_try", task.get("try"))
@@ -401,10 +408,12 @@ def run_detail(
     *,
     now: float | None = None,
     cordoned: Callable[[str], Any] | None = None,
+    task_states: Callable[[str, str], dict[int, str | None]] | None = None,
 ) -> dict:
     """One run: its summary, rank and node health, loss curve, evaluation, checkpoints,
     errors and timeline. ``cordoned(host)`` (the host registry's lookup) adds each node's
-    host cordon.
+    host cordon; ``task_states(dag_id, run_id)`` (Airflow's, map index → state) each node
+    task's state.
 
     Raises:
         SpecError: a name is not a valid workspace name (it would escape the root).
@@ -433,7 +442,7 @@ def run_detail(
         **summary,
         "spec": spec,
         "ranks": _ranks(beats, gang, float(spec.get("heartbeat_timeout", 60.0)), now),
-        "node_agents": _nodes(ws.dir, cordoned),
+        "node_agents": _nodes(ws.dir, cordoned, None if task_states is None else (lambda: task_states(dag_id, run_id))),
         "loss_curve": _curve(ws.dir),
         "evaluation": metrics if isinstance(metrics, dict) else None,
         "report_available": ws.report_file.exists(),
