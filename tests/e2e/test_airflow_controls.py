@@ -1,34 +1,30 @@
 """Airflow's own controls on a training run, pressed as a user does (REST calls the UI makes):
 
-- "Mark failed" on one node task while the gang trains ends the run within a bound, every
-  process of the gang stopped, the reason naming the node that was marked (the other node
-  would otherwise wait for it in the rendezvous, try after try);
+- "Mark failed" on one node task while the gang trains (which node, and at which step, drawn
+  at random: the seed is printed, ``TRAINFLOW_CHAOS_SEED`` replays one) ends the run within
+  a bound, every process of the gang stopped, the reason naming the node that was marked
+  (the other node would otherwise wait for it in the rendezvous, try after try);
 - "Clear" on that failed run (every task) provisions it again: it resumes from the newest
   verified checkpoint, not from step 0, and ends with a clean run's weights.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 
 from trainflow.checkpoint import manifest
+from trainflow.testing.confs import FAULT_RUN
 from trainflow.testing.procs import processes_naming
 from trainflow.timeline import read as read_timeline
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
-CONF = {
-    "steps": 300,
-    "checkpoint_interval": 50,
-    "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 8.0,
-    "startup_timeout": 120.0,
-    "tenant": "controls",
-    "seed": 11,
-}
+CONF = {**FAULT_RUN, "tenant": "controls"}  # the clean reference is shared
 # Mark failed → run ended: node 1 asks Airflow for the gang's states every 5 s, then the
 # abort stops its agent, the watch and the downstream tasks; release frees the nodes.
 END_BOUND_S = 30.0
@@ -51,16 +47,21 @@ def _gang_processes(run_dir: str) -> list[int]:
 
 
 def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(client, clean, wait_training):
+    seed = int(os.environ.get("TRAINFLOW_CHAOS_SEED") or time.time())
+    rng = random.Random(seed)
+    node, at = rng.randrange(2), rng.randrange(80, 200)  # past the first checkpoint, well before the end
+    other = 1 - node
+    print(f"controls seed {seed}: node {node} marked failed past step {at}")
     run_id = "controls-mark-failed"
     _trigger(client, run_id)
-    run_dir = wait_training(client, DAG, run_id, past_step=120)  # past its first checkpoints
+    run_dir = wait_training(client, DAG, run_id, past_step=at)
     assert _gang_processes(run_dir)
 
-    # "Mark failed" on node 0, as the UI does it.
+    # "Mark failed" on the node, as the UI does it.
     marked = time.time()
     client.call(
         "PATCH",
-        f"/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/shard_train/0",
+        f"/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/shard_train/{node}",
         {"new_state": "failed", "note": "marked failed in a test"},
     )
     run = client.wait_run(DAG, run_id, timeout=300, poll=0.5)
@@ -69,12 +70,12 @@ def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(clie
     assert run["state"] == "failed", tis
     print(f"mark failed → run failed in {ended_after:.1f} s")
     assert ended_after <= END_BOUND_S, (ended_after, tis)
-    assert tis[("shard_train", 1)]["try_number"] == 1 and tis[("shard_train", 1)]["state"] == "failed"
+    assert tis[("shard_train", other)]["try_number"] == 1 and tis[("shard_train", other)]["state"] == "failed"
     assert tis[("release", -1)]["state"] == "success"
     (ended,) = [e for e in read_timeline(run_dir) if e["event"] == "member_ended"]
-    assert ended["node"] == 0 and "marked failed by a user" in ended["message"]
-    log = client.task_log(DAG, run_id, "shard_train", 1, map_index=1)
-    assert "node 0's task is failed" in log
+    assert ended["node"] == node and "marked failed by a user" in ended["message"]
+    log = client.task_log(DAG, run_id, "shard_train", 1, map_index=other)
+    assert f"node {node}'s task is failed" in log
     deadline = time.time() + 30
     while _gang_processes(run_dir) and time.time() < deadline:
         time.sleep(0.5)
@@ -94,7 +95,7 @@ def test_mark_failed_ends_the_run_and_clear_resumes_it_to_the_clean_weights(clie
     )
     run = client.wait_run(DAG, run_id, timeout=300)
     assert run["state"] == "failed"
-    log = client.task_log(DAG, run_id, "shard_train", 2, map_index=1)
+    log = client.task_log(DAG, run_id, "shard_train", 2, map_index=other)
     assert "clear the whole run" in log, log[-2000:]
     assert _gang_processes(run_dir) == []
 

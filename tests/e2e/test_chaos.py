@@ -5,20 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from trainflow.testing.confs import FAULT_RUN
+
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
-# heartbeat_timeout must exceed a worker restart (python + import torch + rendezvous), or a
-# process fault that torch elastic heals inside the node looks like a hang: ~4 s on a quiet
-# 2-core machine, far more under load.
-CONF = {
-    "steps": 300,
-    "checkpoint_interval": 50,
-    "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 8.0,
-    "startup_timeout": 120.0,
-    "tenant": "chaos",
-    "seed": 11,
-}
+CONF = {**FAULT_RUN, "tenant": "chaos"}  # the clean reference is shared
 
 
 def _run(client, run_id, faults=(), timeout=600):

@@ -27,19 +27,12 @@ import pytest
 
 from trainflow.checkpoint import manifest
 from trainflow.heartbeat import read_all
+from trainflow.testing.confs import FAULT_RUN
 from trainflow.testing.procs import processes_naming
 
 pytestmark = pytest.mark.e2e
 DAG = "train_digits"
-CONF = {
-    "steps": 300,
-    "checkpoint_interval": 50,
-    "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 8.0,
-    "startup_timeout": 120.0,
-    "tenant": "outside",
-    "seed": 11,
-}
+CONF = {**FAULT_RUN, "tenant": "outside"}  # the clean reference is shared
 FAULTS = ("kill-worker", "stop-worker", "kill-agent", "corrupt-then-kill")
 
 
