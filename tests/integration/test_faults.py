@@ -139,8 +139,10 @@ def test_a_worker_killed_from_outside_is_counted_as_a_fault(tmp_path, clean_long
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     assert evaluate(tmp_path)["weights_sha256"] == clean_long_digest
     assert not _events(tmp_path, "fault_injected")
-    (exited, *others) = _events(tmp_path, "worker_exited")
-    assert (exited["rank"], exited["signal"]) == (1, "SIGKILL") and exited["step"] >= beat["step"]
+    exits = _events(tmp_path, "worker_exited")  # rank 0's broken collective may be seen first
+    (exited,) = [e for e in exits if e["rank"] == 1]
+    others = [e for e in exits if e is not exited]
+    assert exited["signal"] == "SIGKILL" and exited["step"] >= beat["step"], exits
     events = read_timeline(tmp_path)
     books = summarize(tmp_path, started=events[0]["time"], ended=events[-1]["time"], steps=LONG["steps"])
     (fault,) = books["faults"]
